@@ -1,0 +1,481 @@
+"""Frames of the control channel (PROTOCOL.md sections 6-8): one closed model per kind.
+
+Field names are the wire names, camelCase for the envelope and session frames and snake_case
+for tool and exec frames (section 6), used as is in code: no alias layer to keep in sync.
+
+Client frames are decoded by `decode_client_frame` in one pass over the raw text (pydantic's
+JSON parser validates while parsing, as fast as json.loads alone). The slow path, a second
+parse to tell `unknown_kind` from `invalid_frame` and to find a readable `call_id`, runs only
+for frames that already failed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from protocol.bootstrap import BootstrapBody
+from protocol.errors import INVALID_FRAME, UNKNOWN_KIND
+from protocol.fields import (
+    CallId,
+    Count,
+    Generation,
+    Id,
+    IdempotencyKey,
+    Scope,
+    Seq,
+    Stream,
+    StrictModel,
+    optional_field,
+)
+from protocol.tools import is_call_id
+
+# --- kinds ---
+SESSION_BOOTSTRAP = "session.bootstrap"
+TOOL_CALL = "tool.call"
+EVENTS_ACK = "events.ack"
+EXEC_SIGNAL = "exec.signal"
+EXEC_READ_OUTPUT = "exec.read_output"
+CLIENT_KINDS = frozenset({SESSION_BOOTSTRAP, TOOL_CALL, EVENTS_ACK, EXEC_SIGNAL, EXEC_READ_OUTPUT})
+
+RUNTIME_STATE = "runtime.state"
+SESSION_BOOTSTRAP_REJECTED = "session.bootstrap.rejected"
+TOOL_PENDING = "tool.pending"
+TOOL_REPLAYED = "tool.replayed"
+EXEC_OUTPUT_PAGE = "exec.output_page"
+ERROR = "error"
+EXEC_STARTED = "exec.started"
+EXEC_OUTPUT = "exec.output"
+EXEC_COMPLETED = "exec.completed"
+TOOL_RESULT = "tool.result"
+EVENT_KINDS = frozenset({EXEC_STARTED, EXEC_OUTPUT, EXEC_COMPLETED, TOOL_RESULT})
+SERVER_KINDS = frozenset(
+    {
+        RUNTIME_STATE,
+        SESSION_BOOTSTRAP_REJECTED,
+        TOOL_PENDING,
+        TOOL_REPLAYED,
+        EXEC_OUTPUT_PAGE,
+        ERROR,
+        *EVENT_KINDS,
+    }
+)
+
+# --- limits ---
+MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length (6.2)
+# FrameError.kind / .reason are for logs: cap what the peer can put there.
+MAX_LOGGED_NAME_CHARS = 64
+MAX_REASON_CHARS = 200
+
+Signal = Literal["SIGINT", "SIGTERM", "SIGKILL", "SIGHUP"]
+BASE64_PATTERN = r"^[A-Za-z0-9+/]*={0,2}$"
+
+
+# =============================== client frames ===============================
+
+
+class AckBody(StrictModel):
+    seq: Count  # cumulative; 0 acks nothing
+
+
+class ExecSignalBody(StrictModel):
+    call_id: CallId
+    signal: Signal
+
+
+class ExecReadOutputBody(StrictModel):
+    call_id: CallId
+    stream: Stream
+    offset: Count
+    length: Annotated[int, Field(ge=1, le=MAX_OUTPUT_PAGE_LENGTH)]
+
+
+class SessionBootstrapFrame(StrictModel):
+    kind: Literal["session.bootstrap"]
+    connectionGeneration: Generation
+    body: BootstrapBody
+
+
+class ToolCallFrame(StrictModel):
+    kind: Literal["tool.call"]
+    connectionGeneration: Generation
+    # Validated in a second stage by protocol.tools.parse_tool_call: a bad call with a
+    # readable call_id is answered by a tool.result for it, not by a frame error.
+    body: dict[str, Any]
+
+
+class EventsAckFrame(StrictModel):
+    kind: Literal["events.ack"]
+    connectionGeneration: Generation
+    body: AckBody
+
+
+class ExecSignalFrame(StrictModel):
+    kind: Literal["exec.signal"]
+    connectionGeneration: Generation
+    body: ExecSignalBody
+
+
+class ExecReadOutputFrame(StrictModel):
+    kind: Literal["exec.read_output"]
+    connectionGeneration: Generation
+    body: ExecReadOutputBody
+
+
+ClientFrameModel = (
+    SessionBootstrapFrame | ToolCallFrame | EventsAckFrame | ExecSignalFrame | ExecReadOutputFrame
+)
+ClientFrame = Annotated[ClientFrameModel, Field(discriminator="kind")]
+
+# =============================== server frames ===============================
+
+
+def _kind_required(schema: dict[str, Any]) -> None:
+    # `kind` has a default so code can write RuntimeStateFrame(body=…), which would make the
+    # exported schema call it optional; on the wire it is always there.
+    required = [name for name in schema.get("required", []) if name != "kind"]
+    schema["required"] = ["kind", *required]
+
+
+class ServerFrameBase(StrictModel):
+    model_config = ConfigDict(json_schema_extra=_kind_required)
+
+
+def _exact_int(value: object) -> object:
+    # Literal[1] alone accepts true and 1.0 (they compare equal to 1).
+    if type(value) is not int:
+        raise ValueError("must be the integer 1")
+    return value
+
+
+ProtocolVersion = Annotated[Literal[1], BeforeValidator(_exact_int)]
+
+
+class RuntimeStateBody(StrictModel):
+    status: Literal["ready"]
+    sessionId: Id
+    generation: Generation
+    ackFloor: Count
+    localEventMax: Count
+    oldestRetainedSeq: Seq  # local_event_max + 1 when nothing is retained
+    supervisorVersion: str
+    protocolVersion: ProtocolVersion
+    scopes: list[Scope]
+
+
+class RuntimeStateFrame(ServerFrameBase):
+    kind: Literal["runtime.state"] = RUNTIME_STATE
+    body: RuntimeStateBody
+
+
+class BootstrapRejectedBody(StrictModel):
+    code: str
+    message: str
+
+
+class BootstrapRejectedFrame(ServerFrameBase):
+    kind: Literal["session.bootstrap.rejected"] = SESSION_BOOTSTRAP_REJECTED
+    body: BootstrapRejectedBody
+
+
+class ErrorBody(StrictModel):
+    code: str
+    message: str
+    call_id: CallId | None = optional_field()
+
+
+class ErrorFrame(ServerFrameBase):
+    kind: Literal["error"] = ERROR
+    body: ErrorBody
+
+
+class ExecOutputPageBody(StrictModel):
+    call_id: CallId
+    stream: Stream
+    offset: Count
+    data: Annotated[str, StringConstraints(pattern=BASE64_PATTERN)]  # the exact bytes, base64
+    eof: bool  # the stream has ended and this page reaches its end
+    truncated: bool  # the spool hit its cap
+
+
+class ExecOutputPageFrame(ServerFrameBase):
+    kind: Literal["exec.output_page"] = EXEC_OUTPUT_PAGE
+    body: ExecOutputPageBody
+
+
+# --- journaled events (sections 7 and 8) ---
+
+
+class ExecContext(StrictModel):
+    """Captured when the process starts and kept with it (8)."""
+
+    session_id: Id
+    generation: Generation
+    idempotency_key: IdempotencyKey | None
+
+
+class ExecStartedBody(StrictModel):
+    call_id: CallId
+    pid: Annotated[int, Field(ge=1)]
+    pgid: Annotated[int, Field(ge=1)]
+    command: str
+    cwd: str  # absolute path the command runs in
+    started_at: float  # Unix time in seconds
+    context: ExecContext
+
+
+class ExecStartedEvent(ServerFrameBase):
+    kind: Literal["exec.started"] = EXEC_STARTED
+    seq: Seq
+    body: ExecStartedBody
+
+
+class ExecOutputBody(StrictModel):
+    call_id: CallId
+    stream: Stream
+    text: str  # UTF-8 with replacement of this event's bytes
+    offset: Count  # stream offset of the first byte = previous offset + bytes + dropped_bytes
+    bytes: Count
+    truncated: bool
+    dropped_bytes: Count  # dropped from the live buffer since the previous event
+    after_exit: bool  # written by a background descendant after the shell exited
+
+
+class ExecOutputEvent(ServerFrameBase):
+    kind: Literal["exec.output"] = EXEC_OUTPUT
+    seq: Seq
+    body: ExecOutputBody
+
+
+class StreamSummary(StrictModel):
+    bytes: Count
+    head: str
+    tail: str
+    truncated: bool  # the spool hit its cap
+
+
+class ShellResult(StrictModel):
+    """`execute_shell_command` result (7.3); `exec.completed` adds `call_id`."""
+
+    exit_code: int | None
+    signal: str | None  # a name such as "SIGKILL"
+    timed_out: bool
+    duration_ms: Count
+    stdout: StreamSummary
+    stderr: StreamSummary
+
+
+class ExecCompletedBody(ShellResult):
+    call_id: CallId
+    interrupted: bool = False  # true when a crash cut the command (7.1)
+
+
+class ExecCompletedEvent(ServerFrameBase):
+    kind: Literal["exec.completed"] = EXEC_COMPLETED
+    seq: Seq
+    body: ExecCompletedBody
+
+
+class PatchResult(StrictModel):
+    """`apply_file_patch` result (7.2)."""
+
+    path: str
+    old_sha: str
+    new_sha: str
+    hunks: Count
+    bytes: Count
+
+
+class ReadFileResult(StrictModel):
+    """`read_file` result (7.2a)."""
+
+    path: str
+    sha: str
+    size: Count
+    offset: Count
+    length: Count
+    encoding: Literal["utf-8", "base64"]
+    content: str
+    eof: bool
+
+
+class ToolError(BaseModel):
+    # The one open model of the protocol: error codes carry their own details next to code
+    # and message (current_sha for base_sha_mismatch, hunk for patch_does_not_apply, command
+    # for forbidden, output so far for interrupted), and listing them all here would couple
+    # this envelope to every tool. Still strict and immutable.
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+    code: str
+    message: str
+
+
+class ToolResultBody(StrictModel):
+    call_id: CallId
+    idempotency_key: IdempotencyKey | None
+    tool_name: str | None  # as the caller sent it; None when it was not a readable string
+    ok: bool
+    result: dict[str, Any] | None = optional_field()
+    error: ToolError | None = optional_field()
+
+    @model_validator(mode="after")
+    def _exactly_one_outcome(self) -> ToolResultBody:
+        if self.ok and (self.result is None or self.error is not None):
+            raise ValueError("ok:true needs result and no error")
+        if not self.ok and (self.error is None or self.result is not None):
+            raise ValueError("ok:false needs error and no result")
+        return self
+
+
+class ToolResultEvent(ServerFrameBase):
+    kind: Literal["tool.result"] = TOOL_RESULT
+    seq: Seq
+    body: ToolResultBody
+
+
+class ToolPendingBody(StrictModel):
+    call_id: CallId  # the retry's call_id
+    idempotency_key: IdempotencyKey
+
+
+class ToolPendingFrame(ServerFrameBase):
+    kind: Literal["tool.pending"] = TOOL_PENDING
+    body: ToolPendingBody
+
+
+class ToolReplayedBody(StrictModel):
+    call_id: CallId  # the retry's call_id
+    idempotency_key: IdempotencyKey
+    original: ToolResultEvent  # the earlier tool.result event as journaled (same seq)
+
+
+class ToolReplayedFrame(ServerFrameBase):
+    kind: Literal["tool.replayed"] = TOOL_REPLAYED
+    body: ToolReplayedBody
+
+
+JournaledEvent = Annotated[
+    ExecStartedEvent | ExecOutputEvent | ExecCompletedEvent | ToolResultEvent,
+    Field(discriminator="kind"),
+]
+ServerFrameModel = (
+    RuntimeStateFrame
+    | BootstrapRejectedFrame
+    | ToolPendingFrame
+    | ToolReplayedFrame
+    | ExecOutputPageFrame
+    | ErrorFrame
+    | ExecStartedEvent
+    | ExecOutputEvent
+    | ExecCompletedEvent
+    | ToolResultEvent
+)
+ServerFrame = Annotated[ServerFrameModel, Field(discriminator="kind")]
+
+# =============================== decode / encode ===============================
+
+
+class FrameError(ValueError):
+    """A frame that does not decode.
+
+    `code`: UNKNOWN_KIND (a JSON object whose string `kind` is not one we know) or
+    INVALID_FRAME (anything else). `message` is one sentence safe to send to the peer: it
+    echoes nothing the peer sent except a kind name we know. `kind` and `reason` are for
+    logs. `call_id` is the body's call_id when it is a readable uuid, so the error frame can
+    name the call.
+    """
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        kind: str | None = None,
+        call_id: str | None = None,
+        reason: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+        self.call_id = call_id
+        self.reason = reason
+
+
+_CLIENT_FRAME_ADAPTER: TypeAdapter[Any] = TypeAdapter(ClientFrame)
+_SERVER_FRAME_ADAPTER: TypeAdapter[Any] = TypeAdapter(ServerFrame)
+
+
+def _first_problem(error: ValidationError) -> str:
+    first = error.errors(include_url=False, include_input=False, include_context=False)[0]
+    where = ".".join(str(part)[:MAX_LOGGED_NAME_CHARS] for part in first["loc"])
+    return f"{first['type']} at {where or '<root>'}"[:MAX_REASON_CHARS]
+
+
+def _frame_error(raw: str | bytes, known_kinds: frozenset[str], reason: str) -> FrameError:
+    """Classify a frame that failed validation (the slow path: a second parse)."""
+    try:
+        document = json.loads(raw)
+    except (ValueError, TypeError, RecursionError):
+        return FrameError(INVALID_FRAME, "Frame is not valid JSON.", reason=reason)
+    if not isinstance(document, dict):
+        return FrameError(INVALID_FRAME, "Frame is not a JSON object.", reason=reason)
+    kind = document.get("kind")
+    if not isinstance(kind, str):
+        return FrameError(INVALID_FRAME, "Frame has no string kind.", reason=reason)
+    body = document.get("body")
+    call_id = body.get("call_id") if isinstance(body, dict) else None
+    readable_call_id = call_id if is_call_id(call_id) else None
+    if kind not in known_kinds:
+        return FrameError(
+            UNKNOWN_KIND,
+            "Frame kind is not known.",
+            kind=kind[:MAX_LOGGED_NAME_CHARS],
+            call_id=readable_call_id,
+            reason=reason,
+        )
+    return FrameError(
+        INVALID_FRAME,
+        f"Frame does not match the {kind} schema.",
+        kind=kind,
+        call_id=readable_call_id,
+        reason=reason,
+    )
+
+
+def _decode(adapter: TypeAdapter[Any], known_kinds: frozenset[str], raw: str | bytes) -> Any:
+    try:
+        return adapter.validate_json(raw)
+    except ValidationError as error:
+        raise _frame_error(raw, known_kinds, _first_problem(error)) from None
+    except (ValueError, TypeError, RecursionError) as error:
+        # Not expected from validate_json; kept so that the promise "only FrameError" holds.
+        raise _frame_error(raw, known_kinds, type(error).__name__) from None
+
+
+def decode_client_frame(raw: str | bytes) -> ClientFrameModel:
+    """Decode one client message into its frame model; raise only FrameError."""
+    frame: ClientFrameModel = _decode(_CLIENT_FRAME_ADAPTER, CLIENT_KINDS, raw)
+    return frame
+
+
+def decode_server_frame(raw: str | bytes) -> ServerFrameModel:
+    """Decode one server message (for clients and tests); raise only FrameError."""
+    frame: ServerFrameModel = _decode(_SERVER_FRAME_ADAPTER, SERVER_KINDS, raw)
+    return frame
+
+
+def encode_frame(frame: BaseModel) -> str:
+    """Compact JSON (no spaces), keys in field order, optional fields omitted when absent."""
+    return frame.model_dump_json(by_alias=True)

@@ -1,0 +1,219 @@
+"""Command line: serve, check-config, demo, keys, onboard-template (OPERATIONS.md).
+
+`supervisor.app` and `supervisor.demo` are imported inside their handlers, so the light
+commands (check-config, keys) start fast and work without the daemon's dependencies loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import ConfigError, SupervisorConfig, load_config, masked_dict
+
+PROG = "sandbox-supervisor"
+EXIT_OK = 0
+EXIT_BAD_CONFIG = 2  # bad configuration or arguments (argparse uses 2 as well)
+EXIT_TERMINATED = 78  # terminated after a bootstrap rejection; systemd does not restart it
+
+# serve flag (argparse dest) → dotted configuration key it overrides.
+SERVE_OVERRIDES = {
+    "listen_tcp": "listen.tcp",
+    "listen_unix": "listen.unix",
+    "state_dir": "paths.state_dir",
+    "workspace_root": "paths.workspace_root",
+    "sandbox_id_file": "paths.sandbox_id_file",
+    "jwks_file": "authority.jwks_file",
+    "issuer": "authority.issuer",
+    "log_format": "logging.format",
+    "log_level": "logging.level",
+}
+
+
+def build_serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Dotted-key overrides from the serve flags that were given. A repeated listen flag
+    replaces the file's whole list (it does not append to it)."""
+    overrides: dict[str, Any] = {}
+    for dest, key in SERVE_OVERRIDES.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides[key] = value
+    return overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="In-sandbox supervisor daemon.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the daemon")
+    _add_config_flag(serve)
+    serve.add_argument("--listen-tcp", action="append", metavar="HOST:PORT",
+                       help="TCP listener (repeatable; replaces listen.tcp)")
+    serve.add_argument("--listen-unix", action="append", metavar="PATH",
+                       help="unix socket listener (repeatable; replaces listen.unix)")
+    serve.add_argument("--state-dir", metavar="DIR")
+    serve.add_argument("--workspace-root", metavar="DIR")
+    serve.add_argument("--sandbox-id-file", metavar="FILE")
+    serve.add_argument("--jwks-file", metavar="FILE")
+    serve.add_argument("--issuer", metavar="S")
+    serve.add_argument("--log-format", choices=("json", "console"))
+    serve.add_argument("--log-level", metavar="L")
+    serve.set_defaults(handler=_cmd_serve)
+
+    check = commands.add_parser("check-config", help="validate and print the configuration")
+    _add_config_flag(check)
+    check.set_defaults(handler=_cmd_check_config)
+
+    demo = commands.add_parser("demo", help="drive one whole session against a temporary daemon")
+    demo.set_defaults(handler=_cmd_demo)
+
+    keys = commands.add_parser("keys", help="development keys and assertions")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    generate = key_commands.add_parser("generate", help="write signing-key.jwk and jwks.json")
+    generate.add_argument("--out-dir", required=True, type=Path, metavar="DIR")
+    generate.add_argument("--kid", help="key id (default: the key's RFC 7638 thumbprint)")
+    generate.add_argument("--force", action="store_true", help="replace existing files")
+    generate.set_defaults(handler=_cmd_keys_generate)
+    mint = key_commands.add_parser("mint", help="print a signed assertion")
+    mint.add_argument("--key", required=True, type=Path, metavar="FILE",
+                      help="private signing JWK (signing-key.jwk)")
+    mint.add_argument("--claims", required=True, metavar="JSON",
+                      help="claims object; iat, exp and jti are filled when absent")
+    mint.add_argument("--lifetime", type=int, metavar="S", help="seconds from iat to exp")
+    mint.set_defaults(handler=_cmd_keys_mint)
+
+    onboard = commands.add_parser("onboard-template", help="template onboarding record")
+    onboard.add_argument("--store", type=Path, metavar="FILE", help="upsert the record here")
+    onboard.add_argument("rest", nargs=argparse.REMAINDER)
+    onboard.set_defaults(handler=_cmd_onboard_template)
+    return parser
+
+
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    # Optional: without it, defaults and SANDBOX_SUPERVISOR_* variables must suffice.
+    parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
+        if exc.code is None:
+            return EXIT_OK
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_CONFIG
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+def _error(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr)
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> SupervisorConfig | None:
+    """The configuration, or None after printing every problem as `key: message`."""
+    try:
+        return load_config(args.config, overrides=overrides)
+    except ConfigError as exc:
+        for key, message in exc.problems:
+            print(f"{key}: {message}", file=sys.stderr)
+        return None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = _load(args, build_serve_overrides(args))
+    if config is None:
+        return EXIT_BAD_CONFIG
+    from supervisor.app import serve_main
+
+    return serve_main(config)
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    config = _load(args, {})
+    if config is None:
+        return EXIT_BAD_CONFIG
+    problems = _jwks_problems(config.authority.jwks_file)
+    if problems:
+        for key, message in problems:
+            print(f"{key}: {message}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(json.dumps(masked_dict(config), indent=2))
+    return EXIT_OK
+
+
+def _jwks_problems(path: Path) -> list[tuple[str, str]]:
+    """The daemon exits 2 at start on an unusable JWKS file; check-config says so first."""
+    key = "authority.jwks_file"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return [(key, f"cannot read {path}: {exc.strerror}")]
+    try:
+        from protocol.authority import load_jwks
+    except ImportError:  # the verifier is not installed: at least require JSON
+        try:
+            json.loads(data)
+        except ValueError:
+            return [(key, f"{path} is not JSON")]
+        return []
+    try:
+        load_jwks(data)
+    except Exception as exc:  # any refusal of the key set is a configuration problem
+        return [(key, f"{path} is not a usable JWKS: {exc}")]
+    return []
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from supervisor.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _cmd_keys_generate(args: argparse.Namespace) -> int:
+    from supervisor.keys import write_key_pair
+
+    try:
+        key_path, jwks_path = write_key_pair(args.out_dir, args.kid, force=args.force)
+    except (FileExistsError, ValueError) as exc:
+        _error(str(exc))
+        return EXIT_BAD_CONFIG
+    except OSError as exc:
+        _error(f"cannot write keys in {args.out_dir}: {exc.strerror}")
+        return EXIT_BAD_CONFIG
+    print(f"wrote {key_path} (private, mode 0600) and {jwks_path} (public)")
+    return EXIT_OK
+
+
+def _cmd_keys_mint(args: argparse.Namespace) -> int:
+    from supervisor.keys import DEFAULT_LIFETIME_S, KeyFileError, load_signing_jwk, mint_assertion
+
+    try:
+        jwk = load_signing_jwk(args.key)
+    except KeyFileError as exc:
+        _error(str(exc))
+        return EXIT_BAD_CONFIG
+    try:
+        claims = json.loads(args.claims)
+    except ValueError:
+        _error("--claims is not JSON")
+        return EXIT_BAD_CONFIG
+    if not isinstance(claims, dict):
+        _error("--claims must be a JSON object")
+        return EXIT_BAD_CONFIG
+    lifetime = DEFAULT_LIFETIME_S if args.lifetime is None else args.lifetime
+    try:
+        print(mint_assertion(jwk, claims, lifetime_s=lifetime))
+    except ValueError as exc:
+        _error(str(exc))
+        return EXIT_BAD_CONFIG
+    return EXIT_OK
+
+
+def _cmd_onboard_template(args: argparse.Namespace) -> int:
+    _error("onboard-template is not implemented yet")
+    return EXIT_BAD_CONFIG

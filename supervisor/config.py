@@ -1,0 +1,394 @@
+"""Typed configuration: defaults < TOML file < environment < command-line overrides.
+
+Every default lives in the models below (OPERATIONS.md "Configuration file"). `load_config`
+merges the sources into one raw dict and validates it once, so every problem is reported
+together, each with its dotted key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+ENV_PREFIX = "SANDBOX_SUPERVISOR_"
+# Separates section from key in an environment variable name (SECTION__KEY).
+ENV_SECTION_SEPARATOR = "__"
+
+MAX_PORT = 65535
+MAX_PROFILE_CHARS = 64
+MASK = "***"
+# Key names containing one of these are masked by `masked_dict` (none exist today; the rule is
+# here so a future secret cannot leak through check-config by accident).
+SECRET_KEY_MARKERS = ("secret", "token", "key", "password")
+# jwks_file names a public key file, not a secret: never mask it.
+NOT_SECRET_KEYS = frozenset({"jwks_file"})
+
+ENV_NAME_PATTERN = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+PROFILE_PATTERN = re.compile(rf"^[a-z][a-z0-9.-]{{0,{MAX_PROFILE_CHARS - 1}}}$")
+_HOST_NAME_PATTERN = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})$")
+
+DEFAULT_BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": "/home/user",
+}
+
+# Sections are strict (no "15" → 15, no true → 1) except paths, which must convert from the
+# TOML/env strings that carry them.
+LaxPath = Annotated[Path, Field(strict=False)]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split `HOST:PORT` (IPv6 in brackets: `[::1]:8787`) and validate both parts."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    if not port_text.isascii() or not port_text.isdigit():
+        raise ValueError(f"port must be decimal digits in {value!r}")
+    port = int(port_text)
+    if port > MAX_PORT:
+        raise ValueError(f"port must be 0..{MAX_PORT} in {value!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"invalid IPv6 address in {value!r}") from None
+        return host[1:-1], port
+    if ":" in host:
+        raise ValueError(f"an IPv6 host must be in brackets, as [::1]:PORT, in {value!r}")
+    if not _HOST_NAME_PATTERN.match(host):
+        raise ValueError(f"invalid host in {value!r}")
+    return host, port
+
+
+class ListenConfig(_Section):
+    tcp: list[str] = ["127.0.0.1:8787"]
+    unix: list[str] = []
+
+    @field_validator("tcp")
+    @classmethod
+    def _check_tcp(cls, value: list[str]) -> list[str]:
+        # Name every bad entry at once, not only the first.
+        errors = []
+        for entry in value:
+            try:
+                parse_host_port(entry)
+            except ValueError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise ValueError("; ".join(errors))
+        return value
+
+    @field_validator("unix")
+    @classmethod
+    def _check_unix(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if not entry or "\x00" in entry:
+                raise ValueError("a unix socket path must be non-empty and contain no NUL")
+        return value
+
+    @model_validator(mode="after")
+    def _check_any(self) -> ListenConfig:
+        # A daemon that listens nowhere can never be driven; refuse it at configuration time.
+        if not self.tcp and not self.unix:
+            raise ValueError("at least one tcp or unix listener is required")
+        return self
+
+
+class PathsConfig(_Section):
+    state_dir: LaxPath = Path("/var/lib/sandbox-supervisor")
+    workspace_root: LaxPath = Path("/home/user")
+    sandbox_id_file: LaxPath = Path("/run/e2b/sandbox-id")
+
+
+class AuthorityConfig(_Section):
+    # Required: a daemon must never fall back to trusting some default issuer or key file.
+    issuer: str = Field(min_length=1)
+    audience: str = Field(default="sandbox-supervisor", min_length=1)
+    jwks_file: LaxPath
+    leeway_s: int = Field(default=30, ge=0)
+    max_lifetime_s: PositiveInt = 300
+
+
+class WebSocketConfig(_Section):
+    control_path: str = "/v1/control"
+    health_path: str = "/healthz"
+    metrics_path: str = "/metrics"
+    metrics_enabled: bool = False
+    ping_interval_s: PositiveSeconds = 15.0
+    idle_timeout_s: PositiveSeconds = 60.0
+    max_message_bytes: PositiveInt = 131072
+    handshake_timeout_s: PositiveSeconds = 10.0
+    max_handshakes: PositiveInt = 64
+    drain_budget_s: PositiveSeconds = 0.5
+
+    @field_validator("control_path", "health_path", "metrics_path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        if not value.startswith("/") or any(c.isspace() for c in value):
+            raise ValueError("a route must start with '/' and contain no whitespace")
+        return value
+
+    @model_validator(mode="after")
+    def _check_relations(self) -> WebSocketConfig:
+        # A ping interval at or above the idle timeout would close healthy idle connections.
+        if self.ping_interval_s >= self.idle_timeout_s:
+            raise ValueError("ping_interval_s must be less than idle_timeout_s")
+        routes = [self.control_path, self.health_path, self.metrics_path]
+        if len(set(routes)) != len(routes):
+            raise ValueError("control_path, health_path and metrics_path must differ")
+        return self
+
+
+class BootstrapConfig(_Section):
+    profiles: list[str] = []  # empty = any profile is allowed
+    rejection_receipt_timeout_s: PositiveSeconds = 5.0
+
+    @field_validator("profiles")
+    @classmethod
+    def _check_profiles(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not PROFILE_PATTERN.match(name):
+                raise ValueError(f"profile {name!r} must be 1-64 chars of [a-z][a-z0-9.-]*")
+        return value
+
+
+class ExecConfig(_Section):
+    shell: str = "/bin/bash"
+    max_processes: PositiveInt = 16
+    kill_grace_ms: PositiveInt = 2000
+    output_throttle_ms: PositiveInt = 150
+    output_max_chunk_bytes: PositiveInt = 4096
+    output_buffer_bytes: PositiveInt = 65536
+    spool_max_bytes: PositiveInt = 64 * 1024 * 1024
+    base_env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_BASE_ENV))
+
+    @field_validator("shell")
+    @classmethod
+    def _check_shell(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("shell must be an absolute path")
+        return value
+
+    @field_validator("base_env")
+    @classmethod
+    def _check_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not ENV_NAME_PATTERN.match(name):
+                raise ValueError(f"environment name {name!r} must match {ENV_NAME_PATTERN.pattern}")
+            if "\x00" in text:
+                raise ValueError(f"environment value of {name} contains NUL")
+        return value
+
+    @model_validator(mode="after")
+    def _check_buffer(self) -> ExecConfig:
+        # The live buffer must hold at least one full chunk, or no event could ever be full size.
+        if self.output_buffer_bytes < self.output_max_chunk_bytes:
+            raise ValueError("output_buffer_bytes must be at least output_max_chunk_bytes")
+        return self
+
+
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+class LoggingConfig(_Section):
+    level: LogLevel = "info"
+    format: Literal["json", "console"] = "json"
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _lower_level(cls, value: Any) -> Any:
+        # "INFO" and "info" mean the same to an operator.
+        return value.lower() if isinstance(value, str) else value
+
+
+class SupervisorConfig(_Section):
+    listen: ListenConfig = ListenConfig()
+    paths: PathsConfig = PathsConfig()
+    authority: AuthorityConfig
+    websocket: WebSocketConfig = WebSocketConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    exec: ExecConfig = ExecConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in SupervisorConfig.model_fields.items()
+}
+
+
+class ConfigError(Exception):
+    """Every problem found, each as (dotted key, message)."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{key}: {message}" for key, message in problems))
+
+
+def load_config(
+    path: Path | None,
+    *,
+    env: Mapping[str, str] = os.environ,
+    overrides: Mapping[str, Any] = {},
+) -> SupervisorConfig:
+    """Merge defaults < file < environment < overrides and validate; raise ConfigError."""
+    problems: list[tuple[str, str]] = []
+    # Where each (section, key) was last set from, so a problem names its source.
+    origins: dict[tuple[str, str], str] = {}
+    raw: dict[str, Any] = {}
+
+    if path is not None:
+        raw = _read_toml(path, problems)
+        for section, table in raw.items():
+            if isinstance(table, dict):
+                for key in table:
+                    origins[(section, key)] = f"file {path}"
+
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, sep, key = name[len(ENV_PREFIX):].partition(ENV_SECTION_SEPARATOR)
+        if not sep or not section or not key:
+            problems.append(
+                (name, f"expected {ENV_PREFIX}<SECTION>{ENV_SECTION_SEPARATOR}<KEY>")
+            )
+            continue
+        section, key = section.lower(), key.lower()
+        _set(raw, section, key, _env_value(section, key, env[name]))
+        origins[(section, key)] = f"environment {name}"
+
+    for dotted, value in overrides.items():
+        section, sep, key = dotted.partition(".")
+        if not sep or not section or not key or "." in key:
+            problems.append((dotted, "an override key must be SECTION.KEY"))
+            continue
+        _set(raw, section, key, value)
+        origins[(section, key)] = "command line"
+
+    # Absent sections validate as empty tables, so a missing required key is named exactly
+    # (authority.issuer) instead of as a missing section.
+    for section in SECTIONS:
+        raw.setdefault(section, {})
+
+    try:
+        config = SupervisorConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems.extend(_describe(error, origins) for error in exc.errors())
+        config = None
+    if problems:
+        raise ConfigError(problems)
+    assert config is not None
+    return config
+
+
+def _read_toml(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        problems.append((str(path), f"cannot read the configuration file: {exc.strerror}"))
+    except tomllib.TOMLDecodeError as exc:
+        problems.append((str(path), f"invalid TOML: {exc}"))
+    return {}
+
+
+def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
+    table = raw.setdefault(section, {})
+    # A section that is not a table is already an error pydantic will report; do not hide it.
+    if isinstance(table, dict):
+        table[key] = value
+
+
+def _field_wants_string(section: str, key: str) -> bool:
+    """True when the target field takes text, so an env value is never reinterpreted as TOML."""
+    model = SECTIONS.get(section)
+    if model is None or key not in model.model_fields:
+        return False
+    annotation = model.model_fields[key].annotation
+    if annotation in (str, Path):
+        return True
+    args = getattr(annotation, "__args__", ())
+    return bool(args) and all(isinstance(a, str) for a in args)  # Literal["json", ...]
+
+
+def _env_value(section: str, key: str, text: str) -> Any:
+    """An env value is a TOML value when it parses as exactly one (lists, ints, inline
+    tables, quoted strings), otherwise the raw string, so `https://x` needs no quoting.
+    For a text key, only a TOML string counts: issuer `123` stays the string "123"."""
+    try:
+        parsed = tomllib.loads(f"value = {text}")
+    except tomllib.TOMLDecodeError:
+        return text
+    # Text like "1\nother = 2" parses, but as more than one value: take it literally.
+    if list(parsed) != ["value"]:
+        return text
+    value = parsed["value"]
+    if _field_wants_string(section, key) and not isinstance(value, str):
+        return text
+    return value
+
+
+def _describe(error: Any, origins: Mapping[tuple[str, str], str]) -> tuple[str, str]:
+    loc = tuple(str(part) for part in error["loc"])
+    key = ".".join(loc) if loc else "(config)"
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif error["type"] == "missing":
+        message = "required"
+    else:
+        message = error["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, "):]
+    if len(loc) >= 2:
+        sources = [origins[loc[:2]]] if loc[:2] in origins else []
+    else:
+        # An unknown section: name every source that set a key in it.
+        sources = sorted({o for (section, _), o in origins.items() if loc and section == loc[0]})
+    if sources:
+        message = f"{message} (from {', '.join(sources)})"
+    return key, message
+
+
+def masked_dict(config: SupervisorConfig) -> dict[str, Any]:
+    """The effective configuration as JSON-ready data, secrets masked.
+
+    Nothing in the configuration is secret today (the JWKS is a public key file); any key whose
+    name contains one of SECRET_KEY_MARKERS is masked so a future secret is safe by default.
+    """
+    return _mask(config.model_dump(mode="json"))
+
+
+def _mask(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: MASK if _is_secret_name(k) else _mask(v) for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_mask(v) for v in value]
+    return value
+
+
+def _is_secret_name(name: str) -> bool:
+    lowered = name.lower()
+    return lowered not in NOT_SECRET_KEYS and any(m in lowered for m in SECRET_KEY_MARKERS)

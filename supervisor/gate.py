@@ -1,0 +1,150 @@
+"""The upgrade gate: the ordered checks of PROTOCOL section 2 as one pure decision.
+
+Input is the request's headers plus a snapshot of what the daemon knows; output is either an
+`Admit` (what to record before the 101) or a `Refuse` (the exact HTTP answer). The caller does
+the I/O; nothing here touches a socket, a file or a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from protocol import errors
+from protocol.authority import AssertionClaims, AuthorityError
+from protocol.headers import RoutingHeaderError, RoutingHeaders, parse_routing_headers
+
+
+class Lifecycle(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    TERMINATED = "terminated"
+
+
+@dataclass(frozen=True, slots=True)
+class GateState:
+    """What the gate needs from durable state, read once per upgrade."""
+
+    lifecycle: Lifecycle
+    bound_session_id: str | None
+    local_event_max: int
+    fence_generation: int  # 0 = no upgrade accepted yet
+    fence_attempt_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    headers: RoutingHeaders
+    claims: AssertionClaims
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    status: int
+    code: str
+    message: str
+    detail: str  # for the log only; never sent to the peer
+    headers: RoutingHeaders | None = None  # when they parsed, so the log can name the session
+
+    @property
+    def extra_headers(self) -> list[tuple[bytes, bytes]]:
+        if self.code == errors.INVALID_AUTHORITY:
+            return [(b"www-authenticate", b'Bearer error="invalid_token"')]
+        return []
+
+
+# One sentence per refusal, fixed: the peer learns the category, the log learns the detail.
+MESSAGES = {
+    errors.DRAINING: "The supervisor is stopping.",
+    errors.TERMINATED: "The supervisor has terminated after a bootstrap rejection.",
+    errors.INVALID_ROUTING_HEADERS: "A routing header is missing or malformed.",
+    errors.SANDBOX_IDENTITY_UNAVAILABLE: "The sandbox identity cannot be read.",
+    errors.SANDBOX_MISMATCH: "The request is for another sandbox.",
+    errors.INVALID_AUTHORITY: "The control-authority assertion is missing or invalid.",
+    errors.SESSION_MISMATCH: "The supervisor is bound to another session.",
+    errors.ACK_FLOOR_AHEAD: "The event ack floor is ahead of the supervisor's journal.",
+    errors.STALE_GENERATION: "The connection generation is stale.",
+    errors.STATE_UNAVAILABLE: "The supervisor could not record the connection.",
+}
+
+STATUS = {
+    errors.DRAINING: 503,
+    errors.TERMINATED: 503,
+    errors.INVALID_ROUTING_HEADERS: 400,
+    errors.SANDBOX_IDENTITY_UNAVAILABLE: 503,
+    errors.SANDBOX_MISMATCH: 409,
+    errors.INVALID_AUTHORITY: 401,
+    errors.SESSION_MISMATCH: 409,
+    errors.ACK_FLOOR_AHEAD: 409,
+    errors.STALE_GENERATION: 409,
+    errors.STATE_UNAVAILABLE: 500,
+}
+
+
+def refuse(code: str, detail: str, headers: RoutingHeaders | None = None) -> Refuse:
+    return Refuse(STATUS[code], code, MESSAGES[code], detail, headers)
+
+
+def fence_admits(generation: int, attempt_id: str, fence_generation: int, fence_attempt: str | None) -> bool:
+    """Section 4: a higher generation, or a retry of exactly the fenced attempt."""
+    if generation > fence_generation:
+        return True
+    return generation == fence_generation and attempt_id == fence_attempt
+
+
+def decide_upgrade(
+    raw_headers: Iterable[tuple[bytes, bytes]],
+    state: GateState,
+    *,
+    local_sandbox_id: Callable[[], str | None],
+    verify: Callable[[RoutingHeaders], AssertionClaims],
+    jti_seen: Callable[[str], bool],
+) -> Admit | Refuse:
+    """Run checks 1–8 in order; the first failure answers.
+
+    The sandbox id and the assertion are consulted lazily (callables) so that a request that
+    fails an earlier check costs neither a file read nor a signature verification.
+    """
+    if state.lifecycle is Lifecycle.DRAINING:
+        return refuse(errors.DRAINING, "supervisor is draining")
+    if state.lifecycle is Lifecycle.TERMINATED:
+        return refuse(errors.TERMINATED, "supervisor is terminated")
+
+    try:
+        headers = parse_routing_headers(raw_headers)
+    except RoutingHeaderError as exc:
+        return refuse(errors.INVALID_ROUTING_HEADERS, f"{exc.header}: {exc.reason}")
+
+    local_id = local_sandbox_id()
+    if local_id is None:
+        return refuse(errors.SANDBOX_IDENTITY_UNAVAILABLE, "sandbox id unreadable", headers)
+    if headers.sandbox_id != local_id:
+        return refuse(errors.SANDBOX_MISMATCH, "e2b-sandbox-id differs from local id", headers)
+
+    if headers.authority is None:
+        return refuse(errors.INVALID_AUTHORITY, "assertion header missing", headers)
+    try:
+        claims = verify(headers)
+    except AuthorityError as exc:
+        return refuse(errors.INVALID_AUTHORITY, exc.reason, headers)
+    if jti_seen(claims.jti):
+        return refuse(errors.INVALID_AUTHORITY, "jti replayed", headers)
+
+    if state.bound_session_id is not None and state.bound_session_id != headers.session_id:
+        return refuse(errors.SESSION_MISMATCH, "bound to another session", headers)
+    if headers.event_ack > state.local_event_max:
+        return refuse(
+            errors.ACK_FLOOR_AHEAD,
+            f"ack {headers.event_ack} > local event max {state.local_event_max}",
+            headers,
+        )
+    if not fence_admits(
+        headers.generation, headers.attempt_id, state.fence_generation, state.fence_attempt_id
+    ):
+        return refuse(
+            errors.STALE_GENERATION,
+            f"generation {headers.generation} vs fence {state.fence_generation}",
+            headers,
+        )
+    return Admit(headers, claims)

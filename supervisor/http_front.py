@@ -1,0 +1,195 @@
+"""The plain-HTTP side of a listener, as pure functions over values.
+
+trio-websocket answers any non-upgrade request with an empty 400 before application code runs,
+so the daemon reads every request head itself (with h11), answers health, 404 and 426 here,
+and hands only well-formed WebSocket upgrades of the control path to trio-websocket.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import h11
+
+from protocol import errors
+
+# A routing head with an assertion is ~2 KiB; 16 KiB leaves room for proxies' extra headers
+# while bounding what a slow or hostile peer can make us buffer before it is authenticated.
+MAX_REQUEST_HEAD_BYTES = 16 * 1024
+WEBSOCKET_VERSION = b"13"
+
+
+class Route(enum.Enum):
+    HEALTH = "health"
+    METRICS = "metrics"
+    CONTROL_UPGRADE = "control_upgrade"
+    UPGRADE_REQUIRED = "upgrade_required"
+    NOT_FOUND = "not_found"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePaths:
+    control: str
+    health: str
+    metrics: str | None  # None while metrics are disabled: the path is then a plain 404
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHead:
+    method: bytes
+    path: str  # the target without its query string
+    headers: list[tuple[bytes, bytes]]  # lower-cased names, as h11 gives them
+
+
+class HeadTooLarge(Exception):
+    """The request head grew past MAX_REQUEST_HEAD_BYTES."""
+
+
+class MalformedHead(Exception):
+    """The bytes are not an HTTP/1.1 request head (or the peer closed mid-head)."""
+
+
+class HeadReader:
+    """Feeds bytes to h11 until a request head is complete; no I/O of its own.
+
+    Keeps every byte it was given so that an upgrade can be replayed to wsproto verbatim,
+    and reports the bytes that followed the head (a pipelining client's first frame).
+    """
+
+    def __init__(self, max_bytes: int = MAX_REQUEST_HEAD_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_bytes)
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def feed(self, data: bytes) -> RequestHead | None:
+        """Add received bytes (b"" at EOF); return the head once complete."""
+        self._chunks.append(data)
+        self._size += len(data)
+        self._conn.receive_data(data)
+        try:
+            event = self._conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            if exc.error_status_hint == 431 or self._size > self._max_bytes:
+                raise HeadTooLarge() from None
+            raise MalformedHead(str(exc)) from None
+        if event is h11.NEED_DATA:
+            if not data:
+                raise MalformedHead("connection closed before the request head was complete")
+            if self._size > self._max_bytes:
+                raise HeadTooLarge()
+            return None
+        if not isinstance(event, h11.Request):
+            raise MalformedHead(f"unexpected event {type(event).__name__}")
+        head_len = self._size - len(self.trailing)
+        # h11's own cap applies to incomplete events only, so a head that arrived in one large
+        # chunk passes it: check the size of the parsed head again.
+        if head_len > self._max_bytes:
+            raise HeadTooLarge()
+        target = event.target.split(b"?", 1)[0]
+        return RequestHead(
+            method=event.method,
+            path=target.decode("ascii", errors="replace"),
+            headers=[(name.lower(), value) for name, value in event.headers],
+        )
+
+    @property
+    def raw(self) -> bytes:
+        return b"".join(self._chunks)
+
+    @property
+    def trailing(self) -> bytes:
+        return self._conn.trailing_data[0]
+
+    @property
+    def head_bytes(self) -> bytes:
+        raw = self.raw
+        return raw[: len(raw) - len(self.trailing)]
+
+
+def _header_values(head: RequestHead, name: bytes) -> list[bytes]:
+    return [value for key, value in head.headers if key == name]
+
+
+def _tokens(values: list[bytes]) -> set[bytes]:
+    return {token.strip().lower() for value in values for token in value.split(b",")}
+
+
+def is_websocket_upgrade(head: RequestHead) -> bool:
+    """True when the head asks for a WebSocket upgrade at all (Upgrade: websocket)."""
+    return b"websocket" in _tokens(_header_values(head, b"upgrade"))
+
+
+def is_valid_websocket_handshake(head: RequestHead) -> bool:
+    """Everything wsproto will insist on, checked first so it never writes its own bare 400."""
+    keys = _header_values(head, b"sec-websocket-key")
+    return (
+        head.method == b"GET"
+        and b"upgrade" in _tokens(_header_values(head, b"connection"))
+        and is_websocket_upgrade(head)
+        and _header_values(head, b"sec-websocket-version") == [WEBSOCKET_VERSION]
+        and len(keys) == 1
+        and bool(keys[0].strip())
+    )
+
+
+def classify(head: RequestHead, paths: RoutePaths) -> Route:
+    if head.method == b"GET" and head.path == paths.health and not is_websocket_upgrade(head):
+        return Route.HEALTH
+    if paths.metrics is not None and head.method == b"GET" and head.path == paths.metrics:
+        return Route.METRICS
+    if head.method == b"GET" and head.path == paths.control:
+        if is_valid_websocket_handshake(head):
+            return Route.CONTROL_UPGRADE
+        return Route.UPGRADE_REQUIRED
+    return Route.NOT_FOUND
+
+
+def render_response(
+    status: int,
+    body: bytes,
+    *,
+    content_type: bytes = b"application/json",
+    extra_headers: list[tuple[bytes, bytes]] | tuple = (),
+) -> bytes:
+    reason = HTTPStatus(status).phrase.encode("ascii")
+    lines = [
+        b"HTTP/1.1 %d %s" % (status, reason),
+        b"content-type: " + content_type,
+        b"content-length: %d" % len(body),
+        b"cache-control: no-store",
+        b"connection: close",
+    ]
+    lines.extend(name + b": " + value for name, value in extra_headers)
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def json_body(payload: dict) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode("utf-8")
+
+
+def render_error(
+    status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] | tuple = ()
+) -> bytes:
+    return render_response(
+        status, json_body({"error": code, "message": message}), extra_headers=extra_headers
+    )
+
+
+NOT_FOUND_RESPONSE = render_error(404, errors.NOT_FOUND_ROUTE, "No such route.")
+UPGRADE_REQUIRED_RESPONSE = render_error(
+    426,
+    errors.UPGRADE_REQUIRED,
+    "This route takes a WebSocket upgrade.",
+    extra_headers=[(b"upgrade", b"websocket"), (b"sec-websocket-version", WEBSOCKET_VERSION)],
+)
+TOO_MANY_HANDSHAKES_RESPONSE = render_error(
+    503, errors.TOO_MANY_HANDSHAKES, "Too many handshakes in progress; retry shortly."
+)
+HEAD_TOO_LARGE_RESPONSE = render_error(
+    431, "request_head_too_large", "The request head is too large."
+)
+BAD_REQUEST_RESPONSE = render_error(400, "bad_request", "The request is not valid HTTP/1.1.")

@@ -1,0 +1,119 @@
+"""One authoritative socket per session (PROTOCOL section 4).
+
+`SessionHub` is plain state: which connection is authoritative, and which connections are
+still open. Closing sockets is asynchronous, so superseding only *asks* the old connection to
+close (its own task does it, inside its own nursery) after detaching it synchronously: from
+the moment a newer socket is admitted, no frame of the old one can act.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import trio
+import trio_websocket
+
+from protocol.authority import AssertionClaims
+from protocol.headers import RoutingHeaders
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_PROTOCOL_ERROR = 1002
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_POLICY_VIOLATION = 1008
+CLOSE_MESSAGE_TOO_BIG = 1009
+CLOSE_INTERNAL_ERROR = 1011
+CLOSE_REJECTION_RECEIPT = 4400
+
+SUPERSEDED_REASON = "Connection attempt was superseded."
+STOPPING_REASON = "Supervisor listener stopping."
+IDLE_REASON = "Connection idle timeout."
+BINARY_REASON = "Binary frames are not supported."
+EXPECTED_BOOTSTRAP_REASON = "Expected session bootstrap as first frame."
+BOOTSTRAP_MISMATCH_REASON = "Bootstrap does not match upgrade headers."
+RECEIPT_NOT_OBSERVED_REASON = "Supervisor rejection receipt was not observed."
+REJECTION_RECEIPT_REASON = "bootstrap rejection received"
+SEND_FAILED_REASON = "Supervisor could not send a frame."
+INTERNAL_REASON = "Supervisor internal error."
+
+MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is ≤ 125 bytes, 2 are the code
+
+
+def clip_close_reason(reason: str) -> str:
+    """Trim to 123 bytes of UTF-8 without splitting a character."""
+    encoded = reason.encode("utf-8")
+    if len(encoded) <= MAX_CLOSE_REASON_BYTES:
+        return reason
+    return encoded[:MAX_CLOSE_REASON_BYTES].decode("utf-8", errors="ignore")
+
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Connection:
+    """An accepted control socket and what the gate learned about it."""
+
+    ws: trio_websocket.WebSocketConnection
+    headers: RoutingHeaders
+    claims: AssertionClaims
+    id: int = field(default_factory=lambda: next(_ids))
+    attached: bool = False  # the runtime handler is reading this socket's frames
+    close_request: tuple[int, str] | None = None
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    last_inbound: float = 0.0
+
+    @property
+    def generation(self) -> int:
+        return self.headers.generation
+
+    def request_close(self, code: int, reason: str) -> None:
+        """Ask the connection's own task to close the socket with this code.
+
+        The first request wins: a socket that is being superseded is not re-closed as
+        'stopping', and vice versa.
+        """
+        if self.close_request is None:
+            self.close_request = (code, clip_close_reason(reason))
+        self.attached = False
+        self.cancel_scope.cancel()
+
+
+class SessionHub:
+    def __init__(self) -> None:
+        self.authoritative: Connection | None = None
+        self.open: set[Connection] = set()
+        self.changed = trio.Event()  # set when the authoritative connection changes
+        self._all_closed = trio.Event()
+        self._all_closed.set()
+
+    def admit(self, conn: Connection) -> Connection | None:
+        """Make `conn` authoritative; detach and ask the previous one to close (1008)."""
+        previous = self.authoritative
+        self.authoritative = conn
+        self.open.add(conn)
+        if self._all_closed.is_set():
+            self._all_closed = trio.Event()
+        if previous is not None and previous is not conn:
+            previous.request_close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON)
+        self.changed.set()
+        self.changed = trio.Event()
+        return previous
+
+    def is_authoritative(self, conn: Connection) -> bool:
+        return self.authoritative is conn
+
+    def forget(self, conn: Connection) -> None:
+        self.open.discard(conn)
+        if self.authoritative is conn:
+            self.authoritative = None
+        if not self.open:
+            self._all_closed.set()
+
+    async def wait_all_closed(self) -> None:
+        await self._all_closed.wait()
+
+    def close_all(self, code: int, reason: str) -> None:
+        for conn in list(self.open):
+            conn.request_close(code, reason)

@@ -1,0 +1,422 @@
+"""Durable state in one sqlite file: fence, binding, jti replay cache, journal, idempotency.
+
+The API is synchronous on purpose: each method is one short transaction, so the daemon can
+decide from a `snapshot()` and record the outcome without an `await` in between (the gate's
+decide-and-record stays atomic without locks). WAL with synchronous=NORMAL makes every
+committed transaction survive a `kill -9` of the process (PROTOCOL.md section 9).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DB_FILENAME = "supervisor.sqlite3"
+STATE_DIR_MODE = 0o700
+DB_FILE_MODE = 0o600
+# Long enough to ride out a checkpoint by another connection, short enough that a wedged
+# database surfaces as an error (state_unavailable) instead of a hung daemon.
+BUSY_TIMEOUT_S = 5.0
+SCHEMA_VERSION = 1
+
+# meta keys
+META_FENCE_GENERATION = "fence_generation"
+META_FENCE_ATTEMPT_ID = "fence_attempt_id"
+META_TERMINATED = "terminated"
+META_ACK_FLOOR = "ack_floor"
+# The last seq ever assigned. Seqs come from here, never from max(seq), so they stay dense and
+# are never reused after pruning or a restart.
+META_LAST_SEQ = "last_seq"
+
+_FRAME_SEPARATORS = (",", ":")
+
+# Each entry migrates the schema from version (index) to version (index + 1).
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        """CREATE TABLE binding (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            session_id TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            body_json TEXT NOT NULL,
+            bound_at REAL NOT NULL)""",
+        "CREATE TABLE jti (jti TEXT PRIMARY KEY, expires_at REAL NOT NULL)",
+        "CREATE INDEX jti_expires_at ON jti (expires_at)",
+        """CREATE TABLE events (
+            seq INTEGER PRIMARY KEY,
+            kind TEXT NOT NULL,
+            body_json TEXT NOT NULL,
+            frame_json TEXT NOT NULL,
+            created_at REAL NOT NULL)""",
+        """CREATE TABLE idempotency (
+            key TEXT PRIMARY KEY,
+            tool_name TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('pending', 'completed')),
+            result_seq INTEGER,
+            intent_json TEXT,
+            created_at REAL NOT NULL,
+            completed_at REAL)""",
+    ),
+)
+assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+
+class StoreError(Exception):
+    """The state could not be read or written (the gate answers 500 state_unavailable)."""
+
+
+class JtiReplayed(StoreError):
+    """The assertion's jti is already in the replay cache."""
+
+
+class FenceRegressed(StoreError):
+    """An upgrade would lower the fence; the gate should have answered stale_generation."""
+
+
+class AlreadyBound(StoreError):
+    """bind() on a supervisor that is already bound (it serves one session for its life)."""
+
+
+class AckAhead(StoreError):
+    """An ack above the highest journaled seq: the floor may never pass the journal."""
+
+
+@dataclass(frozen=True, slots=True)
+class Terminated:
+    code: str
+    message: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    session_id: str
+    digest: str
+    body_json: str
+    bound_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    terminated: Terminated | None
+    bound_session_id: str | None
+    binding_digest: str | None
+    fence_generation: int  # 0 = no upgrade accepted yet
+    fence_attempt_id: str | None
+    local_event_max: int
+    ack_floor: int
+    oldest_retained_seq: int  # local_event_max + 1 when nothing is retained
+
+
+def encode_event_frame(kind: str, seq: int, body: dict[str, Any]) -> str:
+    """The exact text journaled and sent: compact JSON, keys in the order kind, seq, body."""
+    return json.dumps(
+        {"kind": kind, "seq": seq, "body": body},
+        separators=_FRAME_SEPARATORS,
+        ensure_ascii=False,
+        allow_nan=False,  # NaN is not JSON; a client could not parse the frame
+    )
+
+
+class StateStore:
+    """One connection to `<state_dir>/supervisor.sqlite3`; every public method is one
+    transaction. Safe to call from one thread at a time, whichever thread that is."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+        self._conn = conn
+        self.path = path
+        # Serialises callers if the daemon moves calls to worker threads (trio.to_thread);
+        # uncontended when everything runs on the trio thread.
+        self._lock = threading.RLock()  # re-entry is caught as nesting, not a deadlock
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, state_dir: Path) -> StateStore:
+        """Open (creating if needed) the state directory, the database file and its schema."""
+        state_dir = Path(state_dir)
+        path = state_dir / DB_FILENAME
+        try:
+            if not state_dir.exists():
+                state_dir.mkdir(parents=True, mode=STATE_DIR_MODE)
+                # mkdir's mode is filtered by the umask; the daemon's directory is 0700 exactly.
+                os.chmod(state_dir, STATE_DIR_MODE)
+            # Create the file ourselves so it is 0600 from the first byte; sqlite gives the
+            # -wal and -shm files the same permissions.
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, DB_FILE_MODE))
+            conn = sqlite3.connect(
+                str(path),
+                timeout=BUSY_TIMEOUT_S,  # sqlite's busy_timeout
+                isolation_level=None,  # explicit BEGIN/COMMIT only
+                check_same_thread=False,  # guarded by self._lock instead
+            )
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open state database {path}: {exc}") from exc
+        store = cls(conn, path)
+        try:
+            store._configure()
+            store._migrate()
+        except BaseException:
+            conn.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _configure(self) -> None:
+        try:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise StoreError(f"sqlite refused WAL mode (got {mode!r})")
+            # NORMAL in WAL mode: a commit survives a process kill (not a power loss), which
+            # is the guarantee PROTOCOL.md section 9 asks for, at a fraction of FULL's cost.
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot configure state database: {exc}") from exc
+
+    def _migrate(self) -> None:
+        with self._transaction() as conn:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"state database schema {version} is newer than this supervisor's "
+                    f"{SCHEMA_VERSION}"
+                )
+            for step in range(version, SCHEMA_VERSION):
+                for statement in _MIGRATIONS[step]:
+                    conn.execute(statement)
+            # PRAGMA arguments cannot be bound parameters; the value is our own int.
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    @contextmanager
+    def _transaction(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction. Methods that must be atomic together (an idempotency row and its
+        tool.result event) call the `_..._in(conn, …)` helpers inside a single one of these;
+        transactions never nest."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            conn = self._conn
+            if conn.in_transaction:
+                raise StoreError("state store transactions do not nest")
+            try:
+                # IMMEDIATE takes the write lock up front, so a read-then-write in the block
+                # cannot fail half way with SQLITE_BUSY; reads take a consistent snapshot.
+                conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot begin a transaction: {exc}") from exc
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException as exc:
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # the original error is the one worth reporting
+                if isinstance(exc, sqlite3.Error):
+                    raise StoreError(f"state database error: {exc}") from exc
+                raise
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def snapshot(self) -> StateSnapshot:
+        with self._transaction(write=False) as conn:
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            bound = conn.execute("SELECT session_id, digest FROM binding WHERE id = 1").fetchone()
+            oldest = conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+        last_seq = int(meta.get(META_LAST_SEQ, 0))
+        terminated = None
+        if META_TERMINATED in meta:
+            data = json.loads(meta[META_TERMINATED])
+            terminated = Terminated(code=data["code"], message=data["message"], at=data["at"])
+        return StateSnapshot(
+            terminated=terminated,
+            bound_session_id=bound[0] if bound else None,
+            binding_digest=bound[1] if bound else None,
+            fence_generation=int(meta.get(META_FENCE_GENERATION, 0)),
+            fence_attempt_id=meta.get(META_FENCE_ATTEMPT_ID),
+            local_event_max=last_seq,
+            ack_floor=int(meta.get(META_ACK_FLOOR, 0)),
+            oldest_retained_seq=oldest if oldest is not None else last_seq + 1,
+        )
+
+    def jti_seen(self, jti: str, now: float) -> bool:
+        """True when `jti` is in the cache and not yet expired (expired rows are forgotten)."""
+        with self._transaction(write=False) as conn:
+            row = conn.execute(
+                "SELECT 1 FROM jti WHERE jti = ? AND expires_at > ?", (jti, now)
+            ).fetchone()
+        return row is not None
+
+    def binding(self) -> Binding | None:
+        with self._transaction(write=False) as conn:
+            row = conn.execute(
+                "SELECT session_id, digest, body_json, bound_at FROM binding WHERE id = 1"
+            ).fetchone()
+        return Binding(*row) if row else None
+
+    def events_after(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        """Up to `limit` retained events with a seq above `seq`, in order: (seq, frame_json)."""
+        if limit <= 0:
+            raise ValueError("limit must be positive")
+        with self._transaction(write=False) as conn:
+            return conn.execute(
+                "SELECT seq, frame_json FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                (seq, limit),
+            ).fetchall()
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def record_upgrade(
+        self, *, generation: int, attempt_id: str, jti: str, jti_expires_at: float, now: float
+    ) -> None:
+        """Persist an accepted upgrade: the fence and the jti, in one transaction (section 2).
+
+        Raises JtiReplayed for a cached jti and FenceRegressed for a fence the gate should have
+        refused; in both cases nothing changes.
+        """
+        if generation < 1:
+            raise ValueError("generation must be at least 1")
+        with self._transaction() as conn:
+            # Forget expired jtis first, so a jti whose cache entry has lapsed is not refused.
+            conn.execute("DELETE FROM jti WHERE expires_at <= ?", (now,))
+            meta = _read_meta(conn, META_FENCE_GENERATION, META_FENCE_ATTEMPT_ID)
+            fence = int(meta.get(META_FENCE_GENERATION, 0))
+            if generation < fence or (
+                generation == fence and attempt_id != meta.get(META_FENCE_ATTEMPT_ID)
+            ):
+                raise FenceRegressed(
+                    f"generation {generation} does not pass the fence at generation {fence}"
+                )
+            try:
+                conn.execute(
+                    "INSERT INTO jti (jti, expires_at) VALUES (?, ?)", (jti, jti_expires_at)
+                )
+            except sqlite3.IntegrityError:
+                raise JtiReplayed("the assertion's jti was already used") from None
+            _write_meta(
+                conn,
+                {META_FENCE_GENERATION: str(generation), META_FENCE_ATTEMPT_ID: attempt_id},
+            )
+
+    def bind(self, session_id: str, digest: str, body_json: str, now: float) -> None:
+        """Bind the supervisor to its one session; AlreadyBound when a binding exists."""
+        with self._transaction() as conn:
+            try:
+                conn.execute(
+                    "INSERT INTO binding (id, session_id, digest, body_json, bound_at)"
+                    " VALUES (1, ?, ?, ?, ?)",
+                    (session_id, digest, body_json, now),
+                )
+            except sqlite3.IntegrityError:
+                raise AlreadyBound("the supervisor is already bound") from None
+
+    def mark_terminated(self, code: str, message: str, now: float) -> None:
+        """Record the terminal state. The first reason is kept: it is the one that ended the
+        supervisor, and a later call (a retry after a crash) must not rewrite history."""
+        value = json.dumps({"code": code, "message": message, "at": now})
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (META_TERMINATED, value)
+            )
+
+    def raise_ack_floor(self, seq: int) -> int:
+        """Raise the ack floor to `seq` (never lowers it); returns the floor now in force.
+        AckAhead when `seq` is above the highest journaled seq."""
+        if seq < 0:
+            raise ValueError("an ack seq cannot be negative")
+        with self._transaction() as conn:
+            meta = _read_meta(conn, META_ACK_FLOOR, META_LAST_SEQ)
+            last_seq = int(meta.get(META_LAST_SEQ, 0))
+            if seq > last_seq:
+                raise AckAhead(f"ack {seq} is above the highest journaled seq {last_seq}")
+            floor = max(int(meta.get(META_ACK_FLOOR, 0)), seq)
+            _write_meta(conn, {META_ACK_FLOOR: str(floor)})
+        return floor
+
+    def append_events(
+        self, events: Sequence[tuple[str, dict[str, Any]]], *, now: float | None = None
+    ) -> list[tuple[int, str]]:
+        """Journal events with the next dense seqs, in one transaction; returns
+        [(seq, frame_json)] with frame_json exactly as stored (and to be sent)."""
+        if not events:
+            return []
+        created_at = time.time() if now is None else now
+        with self._transaction() as conn:
+            return self._append_events_in(conn, events, created_at)
+
+    def prune_acked(self, upto: int) -> int:
+        """Delete events with seq <= min(upto, ack floor); returns how many were deleted.
+        The floor bound means a caller can never prune what the client has not stored."""
+        with self._transaction() as conn:
+            floor = int(_read_meta(conn, META_ACK_FLOOR).get(META_ACK_FLOOR, 0))
+            cursor = conn.execute("DELETE FROM events WHERE seq <= ?", (min(upto, floor),))
+            return cursor.rowcount
+
+    # -- helpers usable inside one _transaction() ------------------------------------------
+
+    @staticmethod
+    def _append_events_in(
+        conn: sqlite3.Connection, events: Sequence[tuple[str, dict[str, Any]]], now: float
+    ) -> list[tuple[int, str]]:
+        # Encode everything before the first write, so a body that is not JSON leaves no trace.
+        last_seq = int(_read_meta(conn, META_LAST_SEQ).get(META_LAST_SEQ, 0))
+        rows = []
+        for offset, (kind, body) in enumerate(events, start=1):
+            if not isinstance(kind, str) or not kind:
+                raise ValueError("an event kind must be a non-empty string")
+            if not isinstance(body, dict):
+                raise ValueError("an event body must be a dict")
+            seq = last_seq + offset
+            rows.append(
+                (
+                    seq,
+                    kind,
+                    json.dumps(
+                        body, separators=_FRAME_SEPARATORS, ensure_ascii=False, allow_nan=False
+                    ),
+                    encode_event_frame(kind, seq, body),
+                    now,
+                )
+            )
+        conn.executemany(
+            "INSERT INTO events (seq, kind, body_json, frame_json, created_at)"
+            " VALUES (?, ?, ?, ?, ?)",
+            rows,
+        )
+        _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
+        return [(seq, frame_json) for seq, _, _, frame_json, _ in rows]
+
+
+def _read_meta(conn: sqlite3.Connection, *keys: str) -> dict[str, str]:
+    marks = ",".join("?" * len(keys))
+    return dict(conn.execute(f"SELECT key, value FROM meta WHERE key IN ({marks})", keys))
+
+
+def _write_meta(conn: sqlite3.Connection, values: dict[str, str]) -> None:
+    conn.executemany(
+        "INSERT INTO meta (key, value) VALUES (?, ?)"
+        " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        list(values.items()),
+    )

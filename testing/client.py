@@ -1,0 +1,380 @@
+"""A reference control-plane client: what a control plane does, in a few hundred lines.
+
+It builds the routing headers and a fresh signed assertion for every connection attempt,
+connects over TCP or a unix socket, bootstraps, receives frames, acks what it has stored, and
+reconnects with a higher generation. The demo and the tests drive the daemon with it; a
+control plane in another language can read it as an executable description of the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import trio
+import trio_websocket
+
+from protocol import headers as H
+from testing._groups import single_leaf
+from testing.authority import LoopbackAuthority
+
+DEFAULT_CONTROL_PATH = "/v1/control"
+CONNECT_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 2.0
+RECEIVE_BUFFER_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (replays, pages)
+REJECTION_RECEIPT_CODE = 4400
+REJECTION_RECEIPT_REASON = "bootstrap rejection received"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where the daemon listens: `tcp` as (host, port), or `unix` as a path."""
+
+    tcp: tuple[str, int] | None = None
+    unix: str | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> Endpoint:
+        """"unix:/path" or "HOST:PORT" (as in listening.json)."""
+        if value.startswith("unix:"):
+            return cls(unix=value[len("unix:"):])
+        host, _, port = value.rpartition(":")
+        return cls(tcp=(host.strip("[]"), int(port)))
+
+    def __str__(self) -> str:
+        return f"unix:{self.unix}" if self.unix else f"{self.tcp[0]}:{self.tcp[1]}"
+
+    async def open_stream(self) -> trio.SocketStream:
+        if self.unix is not None:
+            return await trio.open_unix_socket(self.unix)
+        assert self.tcp is not None
+        return await trio.open_tcp_stream(*self.tcp)
+
+    @property
+    def host_header(self) -> str:
+        return "localhost" if self.unix else f"{self.tcp[0]}:{self.tcp[1]}"
+
+
+class UpgradeRejected(Exception):
+    """The daemon answered the upgrade with an HTTP error instead of a 101."""
+
+    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status = status
+        self.raw_body = body
+        self.headers = headers
+        try:
+            self.body = json.loads(body) if body else None
+        except ValueError:
+            self.body = None
+        super().__init__(f"upgrade rejected: {status} {self.error}")
+
+    @property
+    def error(self) -> str | None:
+        return self.body.get("error") if isinstance(self.body, dict) else None
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key.decode("latin-1").lower() == name.lower():
+                return value.decode("latin-1")
+        return None
+
+
+class BootstrapRejected(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"bootstrap rejected: {code}: {message}")
+
+
+def _find_rejection(exc: BaseException) -> trio_websocket.ConnectionRejected | None:
+    if isinstance(exc, trio_websocket.ConnectionRejected):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find_rejection(inner)
+            if found is not None:
+                return found
+    return None
+
+
+@asynccontextmanager
+async def open_websocket(
+    endpoint: Endpoint,
+    path: str,
+    headers: Iterable[tuple[str, str]],
+    *,
+    timeout: float = CONNECT_TIMEOUT_S,
+) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """One WebSocket over TCP or unix, the same way for both; raises UpgradeRejected."""
+    extra = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers]
+    connected = False
+    try:
+        async with trio.open_nursery() as nursery:
+            stream = await endpoint.open_stream()
+            try:
+                with trio.fail_after(timeout):
+                    ws = await trio_websocket.wrap_client_stream(
+                        nursery,
+                        stream,
+                        endpoint.host_header,
+                        path,
+                        extra_headers=extra,
+                        max_message_size=MAX_MESSAGE_BYTES,
+                        receive_buffer_size=RECEIVE_BUFFER_BYTES,
+                        message_queue_size=64,
+                    )
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+            connected = True
+            try:
+                yield ws
+            finally:
+                with trio.move_on_after(CLOSE_TIMEOUT_S) as scope:
+                    scope.shield = True
+                    await ws.aclose()
+                nursery.cancel_scope.cancel()
+    except BaseException as exc:
+        # The library reports a rejection from its reader task, so it surfaces from the
+        # nursery (in a group); the body's own exception is unwrapped for the caller.
+        rejection = None if connected else _find_rejection(exc)
+        if rejection is not None:
+            raise UpgradeRejected(
+                rejection.status_code, rejection.body or b"", list(rejection.headers or [])
+            ) from None
+        if isinstance(exc, BaseExceptionGroup):
+            leaf = single_leaf(exc)
+            if leaf is not None:
+                raise leaf from None
+        raise
+
+
+def default_bootstrap_body(session_id: str, cwd: str, profile: str = "default", **extra: Any) -> dict:
+    body = {"sessionId": session_id, "agent": {"cwd": cwd, "profile": profile}, "repositories": []}
+    body.update(extra)
+    return body
+
+
+@dataclass
+class SessionState:
+    """What a control plane keeps about its session between connections."""
+
+    generation: int = 0
+    events: dict[int, dict] = field(default_factory=dict)  # seq → frame, as stored
+
+    @property
+    def ack_floor(self) -> int:
+        """The highest seq below which every event is stored (what the client may ack)."""
+        floor = 0
+        while floor + 1 in self.events:
+            floor += 1
+        return floor
+
+
+class ControlClient:
+    """Connects to one daemon on behalf of one session."""
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        authority: LoopbackAuthority,
+        *,
+        sandbox_id: str,
+        session_id: str = "session-1",
+        session_sandbox_id: str = "session-sandbox-1",
+        scope: str = "files:read files:write shell:exec",
+        path: str = DEFAULT_CONTROL_PATH,
+    ) -> None:
+        self.endpoint = endpoint
+        self.authority = authority
+        self.sandbox_id = sandbox_id
+        self.session_id = session_id
+        self.session_sandbox_id = session_sandbox_id
+        self.scope = scope
+        self.path = path
+        self.state = SessionState()
+
+    def routing_headers(
+        self,
+        *,
+        generation: int,
+        attempt_id: str,
+        ack_floor: int,
+        assertion: str | None,
+    ) -> list[tuple[str, str]]:
+        headers = [
+            (H.SANDBOX_ID_HEADER, self.sandbox_id),
+            (H.SESSION_ID_HEADER, self.session_id),
+            (H.SESSION_SANDBOX_ID_HEADER, self.session_sandbox_id),
+            (H.ATTEMPT_ID_HEADER, attempt_id),
+            (H.GENERATION_HEADER, str(generation)),
+            (H.EVENT_ACK_HEADER, str(ack_floor)),
+        ]
+        if assertion is not None:
+            headers.append((H.AUTHORITY_HEADER, assertion))
+        return headers
+
+    def mint(self, *, generation: int, attempt_id: str, ack_floor: int, **claim_overrides: Any) -> str:
+        claims = self.authority.claims_for(
+            sandbox_id=self.sandbox_id,
+            session_id=self.session_id,
+            session_sandbox_id=self.session_sandbox_id,
+            generation=generation,
+            attempt_id=attempt_id,
+            ack_floor=ack_floor,
+            scope=self.scope,
+            **claim_overrides,
+        )
+        return self.authority.mint(claims)
+
+    @asynccontextmanager
+    async def connect(
+        self,
+        *,
+        generation: int | None = None,
+        attempt_id: str | None = None,
+        ack_floor: int | None = None,
+        assertion: str | None | bool = True,
+        header_overrides: dict[str, str | None] | None = None,
+        claim_overrides: dict[str, Any] | None = None,
+    ) -> AsyncIterator[ControlSession]:
+        """Open a control socket. By default: the next generation, a fresh attempt id, the
+        client's ack floor and a freshly minted assertion. `assertion=None` sends none;
+        a string sends that token. `header_overrides` replaces (or with None removes) headers.
+        """
+        if generation is None:
+            generation = self.state.generation + 1
+        attempt_id = attempt_id or f"attempt-{uuid.uuid4()}"
+        ack = self.state.ack_floor if ack_floor is None else ack_floor
+        token: str | None
+        if assertion is True:
+            token = self.mint(
+                generation=generation, attempt_id=attempt_id, ack_floor=ack, **(claim_overrides or {})
+            )
+        else:
+            token = assertion or None
+        headers = self.routing_headers(
+            generation=generation, attempt_id=attempt_id, ack_floor=ack, assertion=token
+        )
+        if header_overrides:
+            names = {name.lower() for name in header_overrides}
+            headers = [(k, v) for k, v in headers if k.lower() not in names]
+            headers += [(k, v) for k, v in header_overrides.items() if v is not None]
+        self.state.generation = max(self.state.generation, generation)
+        async with open_websocket(self.endpoint, self.path, headers) as ws:
+            yield ControlSession(self, ws, generation, attempt_id)
+
+
+class ControlSession:
+    """One open control socket."""
+
+    def __init__(
+        self, client: ControlClient, ws: trio_websocket.WebSocketConnection, generation: int, attempt_id: str
+    ) -> None:
+        self.client = client
+        self.ws = ws
+        self.generation = generation
+        self.attempt_id = attempt_id
+
+    async def send(self, kind: str, body: dict, *, generation: int | None = None) -> None:
+        frame = {
+            "kind": kind,
+            "connectionGeneration": self.generation if generation is None else generation,
+            "body": body,
+        }
+        await self.ws.send_message(json.dumps(frame, separators=(",", ":")))
+
+    async def receive(self, timeout: float = 10.0) -> dict:
+        """The next frame; journaled events are stored in the client's session state."""
+        with trio.fail_after(timeout):
+            raw = await self.ws.get_message()
+        frame = json.loads(raw)
+        if isinstance(frame, dict) and isinstance(frame.get("seq"), int):
+            self.client.state.events.setdefault(frame["seq"], frame)
+        return frame
+
+    async def bootstrap(self, body: dict | None = None, *, cwd: str | None = None) -> dict:
+        """Send session.bootstrap; return runtime.state, or raise BootstrapRejected after
+        sending the rejection receipt (close 4400) as the protocol asks."""
+        if body is None:
+            assert cwd is not None, "give a body or a cwd"
+            body = default_bootstrap_body(self.client.session_id, cwd)
+        await self.send("session.bootstrap", body)
+        frame = await self.receive()
+        if frame.get("kind") == "session.bootstrap.rejected":
+            await self.ws.aclose(REJECTION_RECEIPT_CODE, REJECTION_RECEIPT_REASON)
+            raise BootstrapRejected(frame["body"]["code"], frame["body"]["message"])
+        if frame.get("kind") != "runtime.state":
+            raise AssertionError(f"expected runtime.state, got {frame!r}")
+        return frame
+
+    async def ack(self, seq: int | None = None) -> None:
+        await self.send("events.ack", {"seq": self.client.state.ack_floor if seq is None else seq})
+
+    async def closed_reason(self, timeout: float = 10.0) -> trio_websocket.CloseReason:
+        """Wait until the daemon closes the socket; return its code and reason."""
+        with trio.fail_after(timeout):
+            try:
+                while True:
+                    await self.ws.get_message()
+            except trio_websocket.ConnectionClosed as exc:
+                return exc.reason
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def header(self, name: str) -> str | None:
+        for key, value in self.headers:
+            if key.decode("latin-1").lower() == name.lower():
+                return value.decode("latin-1")
+        return None
+
+
+async def http_request(
+    endpoint: Endpoint,
+    method: str,
+    path: str,
+    headers: Iterable[tuple[str, str]] = (),
+    *,
+    timeout: float = CONNECT_TIMEOUT_S,
+) -> HttpResponse:
+    """A plain HTTP/1.1 request on its own connection (health, 404, 426, raw gate checks)."""
+    conn = h11.Connection(h11.CLIENT)
+    all_headers = [("host", endpoint.host_header), *headers]
+    with trio.fail_after(timeout):
+        stream = await endpoint.open_stream()
+        try:
+            await stream.send_all(
+                conn.send(h11.Request(method=method, target=path, headers=all_headers))
+                + conn.send(h11.EndOfMessage())
+            )
+            response = None
+            body = bytearray()
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await stream.receive_some(65536))
+                    continue
+                if isinstance(event, h11.Response):
+                    response = event
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    break
+            assert response is not None
+            return HttpResponse(response.status_code, list(response.headers), bytes(body))
+        finally:
+            await trio.aclose_forcefully(stream)

@@ -1,0 +1,251 @@
+"""Start a real supervisor on temporary directories: in-process (fast, same trio loop) or as
+a subprocess through the CLI (`python -m supervisor serve --config …`, as users start it).
+
+Both use the same on-disk layout: a state dir, a workspace, a sandbox-id file, a JWKS file
+from a `LoopbackAuthority`, a unix socket and a TCP port 0 on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from testing._groups import single_leaf
+from testing.authority import LoopbackAuthority
+from testing.client import ControlClient, Endpoint
+
+DEFAULT_SANDBOX_ID = "sbx-test-0001"
+START_TIMEOUT_S = 20.0
+LISTENING_FILE = "listening.json"
+
+
+@dataclass
+class DaemonLayout:
+    root: Path
+    authority: LoopbackAuthority
+    sandbox_id: str = DEFAULT_SANDBOX_ID
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)  # extra config by section
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    @property
+    def sandbox_id_file(self) -> Path:
+        return self.root / "sandbox-id"
+
+    @property
+    def jwks_file(self) -> Path:
+        return self.root / "jwks.json"
+
+    @property
+    def unix_socket(self) -> Path:
+        return self.root / "control.sock"
+
+    @property
+    def config_file(self) -> Path:
+        return self.root / "supervisor.toml"
+
+    def config_dict(self) -> dict[str, dict[str, Any]]:
+        config: dict[str, dict[str, Any]] = {
+            "listen": {"tcp": ["127.0.0.1:0"], "unix": [str(self.unix_socket)]},
+            "paths": {
+                "state_dir": str(self.state_dir),
+                "workspace_root": str(self.workspace),
+                "sandbox_id_file": str(self.sandbox_id_file),
+            },
+            "authority": {
+                "issuer": self.authority.issuer,
+                "audience": self.authority.audience,
+                "jwks_file": str(self.jwks_file),
+            },
+        }
+        for section, values in self.settings.items():
+            config.setdefault(section, {}).update(values)
+        return config
+
+    def config(self):
+        from supervisor.config import SupervisorConfig
+
+        return SupervisorConfig.model_validate(self.config_dict())
+
+    def write_config(self) -> Path:
+        self.config_file.write_text(_to_toml(self.config_dict()))
+        return self.config_file
+
+
+def make_layout(
+    root: Path,
+    *,
+    authority: LoopbackAuthority | None = None,
+    sandbox_id: str = DEFAULT_SANDBOX_ID,
+    **settings: dict[str, Any],
+) -> DaemonLayout:
+    """Create the directories and files a daemon needs under `root`."""
+    layout = DaemonLayout(root, authority or LoopbackAuthority(), sandbox_id, dict(settings))
+    root.mkdir(parents=True, exist_ok=True)
+    layout.workspace.mkdir(exist_ok=True)
+    layout.sandbox_id_file.write_text(sandbox_id + "\n")
+    layout.authority.write_jwks(layout.jwks_file)
+    return layout
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _to_toml(config: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for section, values in config.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+@dataclass
+class RunningDaemon:
+    layout: DaemonLayout
+    tcp: Endpoint
+    unix: Endpoint
+    supervisor: Any = None  # the in-process Supervisor (None for a subprocess)
+
+    def client(self, endpoint: Endpoint | None = None, **kwargs: Any) -> ControlClient:
+        kwargs.setdefault("sandbox_id", self.layout.sandbox_id)
+        return ControlClient(endpoint or self.tcp, self.layout.authority, **kwargs)
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        return [self.tcp, self.unix]
+
+
+def _endpoints(state_dir: Path) -> tuple[Endpoint, Endpoint]:
+    listening = json.loads((state_dir / LISTENING_FILE).read_text())
+    return Endpoint.parse(listening["tcp"][0]), Endpoint(unix=listening["unix"][0])
+
+
+@asynccontextmanager
+async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon]:
+    """Run the supervisor inside the caller's trio loop; stop it (exit 0) on leaving."""
+    from supervisor.app import EXIT_OK, run_supervisor
+
+    result: dict[str, int] = {}
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        result["exit"] = await run_supervisor(
+            layout.config(), handle_signals=False, env={}, task_status=task_status
+        )
+
+    try:
+        async with trio.open_nursery() as nursery:
+            sup, bound = await nursery.start(run)
+            tcp = Endpoint.parse(bound.tcp[0])
+            daemon = RunningDaemon(layout, tcp, Endpoint(unix=bound.unix[0]), sup)
+            try:
+                yield daemon
+            finally:
+                sup.request_stop(EXIT_OK, "test finished")
+    except BaseExceptionGroup as group:
+        leaf = single_leaf(group)
+        if leaf is not None:
+            raise leaf from None
+        raise
+
+
+class DaemonProcess:
+    """`python -m supervisor serve` in a subprocess, with its stderr (the JSON log) in a file."""
+
+    def __init__(self, layout: DaemonLayout, *, env: dict[str, str] | None = None) -> None:
+        self.layout = layout
+        self.log_path = layout.root / "daemon.log"
+        self.extra_env = env or {}
+        self.proc: subprocess.Popen | None = None
+        self.running: RunningDaemon | None = None
+
+    async def start(self, *, wait_ready: bool = True) -> RunningDaemon | None:
+        config_file = self.layout.write_config()
+        (self.layout.state_dir / LISTENING_FILE).unlink(missing_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_SUPERVISOR_")}
+        env.pop("NOTIFY_SOCKET", None)
+        env.update(self.extra_env)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "serve", "--config", str(config_file)],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            env=env,
+        )
+        if not wait_ready:
+            return None
+        with trio.fail_after(START_TIMEOUT_S):
+            while not (self.layout.state_dir / LISTENING_FILE).exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"daemon exited with {self.proc.returncode} before listening:\n{self.log_text()}"
+                    )
+                await trio.sleep(0.02)
+        tcp, unix = _endpoints(self.layout.state_dir)
+        self.running = RunningDaemon(self.layout, tcp, unix)
+        return self.running
+
+    def send_signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    async def wait(self, timeout: float = 10.0) -> int:
+        assert self.proc is not None
+        with trio.fail_after(timeout):
+            while self.proc.poll() is None:
+                await trio.sleep(0.01)
+        self._log.close()
+        return self.proc.returncode
+
+    async def kill(self) -> int:
+        self.send_signal(signal.SIGKILL)
+        return await self.wait()
+
+    async def stop(self, timeout: float = 10.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.send_signal(signal.SIGTERM)
+        return await self.wait(timeout)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_events(self) -> list[dict]:
+        events = []
+        for line in self.log_text().splitlines():
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                continue
+        return events

@@ -1,0 +1,154 @@
+"""One authoritative socket per session (PROTOCOL section 4), over real sockets."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from testing.client import UpgradeRejected
+from testing.daemon import in_process_daemon
+
+SUPERSEDED = (1008, "Connection attempt was superseded.")
+
+
+def endpoint_of(daemon, transport):
+    return daemon.tcp if transport == "tcp" else daemon.unix
+
+
+async def test_lower_generation_is_stale(daemon, transport):
+    client = daemon.client(endpoint_of(daemon, transport))
+    async with client.connect(generation=2) as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+    with pytest.raises(UpgradeRejected) as info:
+        async with client.connect(generation=1):
+            pass
+    assert (info.value.status, info.value.error) == (409, "stale_generation")
+
+
+async def test_same_generation_other_attempt_is_stale(daemon, transport):
+    client = daemon.client(endpoint_of(daemon, transport))
+    async with client.connect(generation=3, attempt_id="attempt-a"):
+        pass
+    with pytest.raises(UpgradeRejected) as info:
+        async with client.connect(generation=3, attempt_id="attempt-b"):
+            pass
+    assert (info.value.status, info.value.error) == (409, "stale_generation")
+
+
+async def test_retry_of_same_attempt_is_admitted_and_supersedes(daemon, transport):
+    client = daemon.client(endpoint_of(daemon, transport))
+    cwd = str(daemon.layout.workspace)
+    async with client.connect(generation=1, attempt_id="attempt-a") as first:
+        await first.bootstrap(cwd=cwd)
+        # Same generation and attempt, fresh jti: a retry of the same attempt.
+        async with client.connect(generation=1, attempt_id="attempt-a") as retry:
+            reason = await first.closed_reason()
+            assert (reason.code, reason.reason) == SUPERSEDED
+            state = await retry.bootstrap(cwd=cwd)
+            assert state["body"]["generation"] == 1
+
+
+async def test_higher_generation_supersedes_old_socket(daemon, transport):
+    client = daemon.client(endpoint_of(daemon, transport))
+    cwd = str(daemon.layout.workspace)
+    async with client.connect(generation=1) as old:
+        await old.bootstrap(cwd=cwd)
+        async with client.connect(generation=2) as new:
+            reason = await old.closed_reason()
+            assert (reason.code, reason.reason) == SUPERSEDED
+            state = await new.bootstrap(cwd=cwd)
+            assert state["body"]["generation"] == 2
+            assert daemon.supervisor.hub.authoritative is not None
+            assert daemon.supervisor.hub.authoritative.generation == 2
+            assert len(daemon.supervisor.hub.open) == 1
+
+
+async def test_frames_of_superseded_socket_never_act(daemon):
+    """Once a newer socket is admitted, a bootstrap the old socket sends does not bind: the
+    newer socket's (different) bootstrap is the one that binds."""
+    import trio_websocket
+
+    client = daemon.client()
+    other_cwd = daemon.layout.workspace / "other"
+    other_cwd.mkdir()
+    async with client.connect(generation=1) as old:
+        async with client.connect(generation=2) as new:
+            try:
+                await old.send(
+                    "session.bootstrap",
+                    {"sessionId": client.session_id, "agent": {"cwd": str(other_cwd), "profile": "default"}},
+                    generation=1,
+                )
+            except trio_websocket.ConnectionClosed:
+                pass  # already closed by the daemon: equally fine
+            reason = await old.closed_reason()
+            assert (reason.code, reason.reason) == SUPERSEDED
+            state = await new.bootstrap(cwd=str(daemon.layout.workspace))
+            assert state["kind"] == "runtime.state"
+    binding = daemon.supervisor.store.binding()
+    assert '"cwd":"%s"' % daemon.layout.workspace in binding.body_json.replace(" ", "")
+
+
+async def test_frame_with_other_generation_gets_generation_mismatch(daemon):
+    client = daemon.client()
+    async with client.connect(generation=4) as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        await session.send("events.ack", {"seq": 0}, generation=3)
+        frame = await session.receive()
+        assert frame["kind"] == "error"
+        assert frame["body"]["code"] == "generation_mismatch"
+        # The socket stays usable: a correct frame afterwards is served.
+        await session.send("events.ack", {"seq": 1})
+        frame = await session.receive()
+        assert frame["body"]["code"] == "ack_ahead"
+
+
+async def test_fence_survives_restart(layout):
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with client.connect(generation=5, attempt_id="attempt-5"):
+            pass
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        with pytest.raises(UpgradeRejected) as info:
+            async with client.connect(generation=4):
+                pass
+        assert (info.value.status, info.value.error) == (409, "stale_generation")
+        with pytest.raises(UpgradeRejected) as info:
+            async with client.connect(generation=5, attempt_id="attempt-other"):
+                pass
+        assert info.value.error == "stale_generation"
+        async with client.connect(generation=5, attempt_id="attempt-5"):
+            pass
+        async with client.connect(generation=6):
+            pass
+
+
+async def test_reconnect_storm_leaves_one_authoritative_socket(daemon):
+    """Rising generations in quick succession: at every moment at most one socket is
+    authoritative, and every earlier socket is told it was superseded."""
+    client = daemon.client()
+    cwd = str(daemon.layout.workspace)
+    reasons = []
+
+    async def hold(generation, ready, done):
+        async with client.connect(generation=generation) as session:
+            ready.set()
+            reasons.append((generation, await session.closed_reason()))
+            done.set()
+
+    async with trio.open_nursery() as nursery:
+        previous_done = None
+        for generation in range(1, 21):
+            ready, done = trio.Event(), trio.Event()
+            nursery.start_soon(hold, generation, ready, done)
+            await ready.wait()
+            if previous_done is not None:
+                await previous_done.wait()
+            assert len(daemon.supervisor.hub.open) == 1
+            previous_done = done
+        async with client.connect(generation=21) as last:
+            await last.bootstrap(cwd=cwd)
+            await previous_done.wait()
+    assert sorted(g for g, _ in reasons) == list(range(1, 21))
+    assert all((r.code, r.reason) == SUPERSEDED for _, r in reasons)

@@ -1,0 +1,263 @@
+"""Listeners, plain HTTP routes, WebSocket limits and liveness, over real sockets."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import stat
+import struct
+
+import pytest
+import trio
+
+from supervisor.gate import Lifecycle
+from testing.client import Endpoint, http_request
+from testing.daemon import DaemonProcess, in_process_daemon, make_layout
+
+MAX_MESSAGE = 128 * 1024
+
+
+def endpoint_of(daemon, transport):
+    return daemon.tcp if transport == "tcp" else daemon.unix
+
+
+async def test_health_fields_and_no_session_data(daemon, transport):
+    endpoint = endpoint_of(daemon, transport)
+    response = await http_request(endpoint, "GET", "/healthz")
+    assert response.status == 200
+    body = response.json()
+    assert set(body) == {"status", "version", "bound", "uptimeS"}
+    assert body["status"] == "ok" and body["bound"] is False
+    assert isinstance(body["uptimeS"], int)
+    async with daemon.client(endpoint).connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+    response = await http_request(endpoint, "GET", "/healthz")
+    assert response.json()["bound"] is True
+    text = response.body.decode()
+    for secret in ("session-1", daemon.layout.sandbox_id, str(daemon.layout.root)):
+        assert secret not in text
+
+
+async def test_health_is_503_while_draining(daemon):
+    daemon.supervisor.lifecycle = Lifecycle.DRAINING
+    response = await http_request(daemon.tcp, "GET", "/healthz")
+    daemon.supervisor.lifecycle = Lifecycle.SERVING
+    assert response.status == 503 and response.json()["status"] == "draining"
+
+
+@pytest.mark.parametrize(
+    "method, path",
+    [("GET", "/"), ("GET", "/nope"), ("POST", "/healthz"), ("POST", "/v1/control"), ("GET", "/metrics")],
+)
+async def test_other_routes_are_404(daemon, transport, method, path):
+    response = await http_request(endpoint_of(daemon, transport), method, path)
+    assert response.status == 404
+    assert response.json()["error"] == "not_found"
+
+
+async def test_control_path_without_upgrade_is_426(daemon, transport):
+    response = await http_request(endpoint_of(daemon, transport), "GET", "/v1/control")
+    assert response.status == 426
+    assert response.json()["error"] == "upgrade_required"
+
+
+async def test_unix_socket_mode_and_stale_path(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority)
+    # A stale socket node left by a crashed instance is replaced at start.
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(layout.unix_socket))
+    stale.close()
+    async with in_process_daemon(layout) as daemon:
+        mode = stat.S_IMODE(os.stat(layout.unix_socket).st_mode)
+        assert mode == 0o600
+        assert (await http_request(daemon.unix, "GET", "/healthz")).status == 200
+        listening = json.loads((layout.state_dir / "listening.json").read_text())
+        assert listening["unix"] == [str(layout.unix_socket)]
+        host, port = listening["tcp"][0].rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+    # Removed on a clean exit.
+    assert not layout.unix_socket.exists()
+
+
+# --- WebSocket frame limits ---------------------------------------------------------------
+
+
+async def _bootstrapped(daemon, endpoint):
+    client = daemon.client(endpoint)
+    return client
+
+
+async def test_message_of_exactly_max_size_is_accepted(daemon, transport):
+    async with daemon.client(endpoint_of(daemon, transport)).connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        prefix = '{"kind":"events.ack","connectionGeneration":1,"body":{"seq":0},"pad":"'
+        message = prefix + "x" * (MAX_MESSAGE - len(prefix) - 2) + '"}'
+        assert len(message.encode()) == MAX_MESSAGE
+        await session.ws.send_message(message)
+        frame = await session.receive()
+        assert frame["kind"] == "error" and frame["body"]["code"] == "invalid_frame"
+
+
+async def test_message_one_byte_over_closes_1009(daemon, transport):
+    async with daemon.client(endpoint_of(daemon, transport)).connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        await session.ws.send_message("x" * (MAX_MESSAGE + 1))
+        reason = await session.closed_reason()
+    assert reason.code == 1009
+
+
+async def test_binary_frame_after_bootstrap_closes_1003(daemon, transport):
+    async with daemon.client(endpoint_of(daemon, transport)).connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        await session.ws.send_message(b"binary")
+        reason = await session.closed_reason()
+    assert reason.code == 1003
+
+
+async def test_bad_frames_after_bootstrap_keep_socket_usable(daemon):
+    async with daemon.client().connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        for raw, code in [
+            ("[]", "invalid_frame"),
+            ('{"kind":"no.such.kind","connectionGeneration":1,"body":{}}', "unknown_kind"),
+            ('{"kind":"events.ack","connectionGeneration":1,"body":{"seq":-1}}', "invalid_frame"),
+            ('{"kind":"events.ack","connectionGeneration":1,"body":{"seq":0},"extra":1}', "invalid_frame"),
+        ]:
+            await session.ws.send_message(raw)
+            frame = await session.receive()
+            assert (frame["kind"], frame["body"]["code"]) == ("error", code)
+        await session.send("events.ack", {"seq": 0})  # no reply to a valid ack
+        await session.send("events.ack", {"seq": 99})
+        frame = await session.receive()
+        assert frame["body"]["code"] == "ack_ahead"
+
+
+# --- slow loris, handshake limit, idle ----------------------------------------------------
+
+
+async def _raw_partial_head(endpoint: Endpoint) -> trio.SocketStream:
+    stream = await endpoint.open_stream()
+    await stream.send_all(b"GET /v1/control HTTP/1.1\r\nhost: x\r\n")
+    return stream
+
+
+async def test_handshake_limit_and_health_under_slow_loris(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"max_handshakes": 8})
+    async with in_process_daemon(layout) as daemon:
+        streams = [await _raw_partial_head(daemon.tcp) for _ in range(8)]
+        await trio.sleep(0.1)
+        response = await http_request(daemon.unix, "GET", "/healthz")
+        assert (response.status, response.json()["error"]) == (503, "too_many_handshakes")
+        await streams.pop().aclose()
+        with trio.fail_after(2):
+            while daemon.supervisor is not None:
+                response = await http_request(daemon.tcp, "GET", "/healthz")
+                if response.status == 200:
+                    break
+                await trio.sleep(0.01)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def test_slow_head_is_dropped_after_handshake_timeout(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"handshake_timeout_s": 0.3})
+    async with in_process_daemon(layout) as daemon:
+        stream = await _raw_partial_head(daemon.tcp)
+        with trio.fail_after(3):
+            data = await stream.receive_some(1024)
+        assert data == b""  # closed without an answer
+        await stream.aclose()
+
+
+def _read_server_frames(buffer: bytearray):
+    """Parse unmasked server frames: yields (opcode, payload)."""
+    frames = []
+    while len(buffer) >= 2:
+        opcode = buffer[0] & 0x0F
+        length = buffer[1] & 0x7F
+        offset = 2
+        if length == 126:
+            if len(buffer) < 4:
+                break
+            length = struct.unpack("!H", buffer[2:4])[0]
+            offset = 4
+        if len(buffer) < offset + length:
+            break
+        frames.append((opcode, bytes(buffer[offset : offset + length])))
+        del buffer[: offset + length]
+    return frames
+
+
+async def test_silent_peer_is_pinged_then_closed_when_idle(tmp_path, authority):
+    layout = make_layout(
+        tmp_path / "d", authority=authority, websocket={"ping_interval_s": 0.2, "idle_timeout_s": 0.8}
+    )
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        headers = client.routing_headers(
+            generation=1,
+            attempt_id="raw",
+            ack_floor=0,
+            assertion=client.mint(generation=1, attempt_id="raw", ack_floor=0),
+        )
+        key = base64.b64encode(os.urandom(16)).decode()
+        head = (
+            "GET /v1/control HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\n"
+            f"connection: Upgrade\r\nsec-websocket-key: {key}\r\nsec-websocket-version: 13\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers)
+            + "\r\n"
+        )
+        stream = await daemon.tcp.open_stream()
+        await stream.send_all(head.encode())
+        buffer = bytearray()
+        started = trio.current_time()
+        opcodes = []
+        with trio.fail_after(5):
+            while 0x8 not in opcodes:
+                data = await stream.receive_some(4096)
+                assert data, "closed without a close frame"
+                buffer += data
+                if buffer.startswith(b"HTTP/1.1 101"):
+                    del buffer[: buffer.index(b"\r\n\r\n") + 4]
+                for opcode, payload in _read_server_frames(buffer):
+                    opcodes.append(opcode)
+                    if opcode == 0x8:
+                        code = struct.unpack("!H", payload[:2])[0]
+        elapsed = trio.current_time() - started
+        assert 0x9 in opcodes  # pinged first
+        assert code == 1011
+        assert 0.7 <= elapsed < 3
+        await stream.aclose()
+
+
+async def test_live_peer_answering_pings_is_not_closed(tmp_path, authority):
+    layout = make_layout(
+        tmp_path / "d", authority=authority, websocket={"ping_interval_s": 0.1, "idle_timeout_s": 0.4}
+    )
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await trio.sleep(1.2)  # three idle timeouts of silence, pongs only
+            await session.send("events.ack", {"seq": 5})
+            frame = await session.receive()
+            assert frame["body"]["code"] == "ack_ahead"
+
+
+# --- graceful stop --------------------------------------------------------------------------
+
+
+async def test_sigterm_closes_sockets_1001_and_exits_0(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    async with running.client(running.unix).connect() as session:
+        await session.bootstrap(cwd=str(layout.workspace))
+        started = trio.current_time()
+        process.send_signal(15)
+        reason = await session.closed_reason(timeout=5)
+        assert (reason.code, reason.reason) == (1001, "Supervisor listener stopping.")
+    assert await process.wait(timeout=5) == 0
+    assert trio.current_time() - started < 3
+    assert not layout.unix_socket.exists()

@@ -1,0 +1,291 @@
+"""StateStore on real sqlite files: fence + jti, binding, termination, journal, durability."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from supervisor.store import (
+    DB_FILENAME,
+    SCHEMA_VERSION,
+    AckAhead,
+    AlreadyBound,
+    FenceRegressed,
+    JtiReplayed,
+    StateStore,
+    StoreError,
+    encode_event_frame,
+)
+
+NOW = 1_700_000_000.0
+JTI_TTL = 330.0  # exp + leeway beyond NOW, as the gate would compute it
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def store(state_dir: Path):
+    with StateStore.open(state_dir) as s:
+        yield s
+
+
+def upgrade(store: StateStore, generation: int, attempt: str, jti: str, now: float = NOW) -> None:
+    store.record_upgrade(
+        generation=generation, attempt_id=attempt, jti=jti, jti_expires_at=now + JTI_TTL, now=now
+    )
+
+
+def test_open_creates_private_state_dir_wal_and_schema(state_dir: Path) -> None:
+    old_umask = os.umask(0)  # the modes must not depend on a permissive umask
+    try:
+        StateStore.open(state_dir).close()
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+    db = state_dir / DB_FILENAME
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()
+        tables = {row[0] for row in rows}
+    finally:
+        conn.close()
+    assert {"meta", "binding", "jti", "events", "idempotency"} <= tables
+
+
+def test_a_newer_schema_is_refused(state_dir: Path) -> None:
+    StateStore.open(state_dir).close()
+    conn = sqlite3.connect(state_dir / DB_FILENAME)
+    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer"):
+        StateStore.open(state_dir)
+
+
+def test_fresh_snapshot_is_unbound_and_empty(store: StateStore) -> None:
+    snap = store.snapshot()
+    assert snap.terminated is None
+    assert (snap.bound_session_id, snap.binding_digest) == (None, None)
+    assert (snap.fence_generation, snap.fence_attempt_id) == (0, None)
+    assert (snap.local_event_max, snap.ack_floor, snap.oldest_retained_seq) == (0, 0, 1)
+
+
+def test_record_upgrade_sets_fence_and_jti_together(store: StateStore) -> None:
+    upgrade(store, 3, "attempt-a", "jti-1")
+    snap = store.snapshot()
+    assert (snap.fence_generation, snap.fence_attempt_id) == (3, "attempt-a")
+    assert store.jti_seen("jti-1", NOW)
+
+
+def test_replayed_jti_is_refused_and_changes_nothing(store: StateStore) -> None:
+    upgrade(store, 1, "attempt-a", "jti-1")
+    with pytest.raises(JtiReplayed):
+        upgrade(store, 2, "attempt-b", "jti-1")
+    # The fence did not move: the jti insert and the fence update are one transaction.
+    snap = store.snapshot()
+    assert (snap.fence_generation, snap.fence_attempt_id) == (1, "attempt-a")
+
+
+def test_replayed_jti_is_refused_after_reopen(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        upgrade(store, 1, "attempt-a", "jti-1")
+    with StateStore.open(state_dir) as store:
+        assert store.jti_seen("jti-1", NOW + 1)
+        with pytest.raises(JtiReplayed):
+            upgrade(store, 2, "attempt-b", "jti-1", now=NOW + 1)
+
+
+def test_expired_jti_is_forgotten(store: StateStore) -> None:
+    upgrade(store, 1, "attempt-a", "jti-1")
+    later = NOW + JTI_TTL
+    assert not store.jti_seen("jti-1", later)  # expires_at is exclusive
+    # Past its expiry the jti is pruned and may be recorded again.
+    upgrade(store, 2, "attempt-b", "jti-1", now=later)
+    assert store.snapshot().fence_generation == 2
+
+
+def test_record_upgrade_prunes_expired_jti_rows(store: StateStore) -> None:
+    upgrade(store, 1, "attempt-a", "old-1")
+    upgrade(store, 2, "attempt-b", "old-2")
+    upgrade(store, 3, "attempt-c", "new", now=NOW + JTI_TTL + 1)
+    count = store._conn.execute("SELECT COUNT(*) FROM jti").fetchone()[0]
+    assert count == 1
+
+
+def test_same_attempt_retry_is_recorded_and_fence_never_regresses(store: StateStore) -> None:
+    upgrade(store, 5, "attempt-a", "jti-1")
+    upgrade(store, 5, "attempt-a", "jti-2")  # retry of the same attempt with a fresh jti
+    with pytest.raises(FenceRegressed):
+        upgrade(store, 5, "attempt-other", "jti-3")
+    with pytest.raises(FenceRegressed):
+        upgrade(store, 4, "attempt-z", "jti-4")
+    assert not store.jti_seen("jti-3", NOW) and not store.jti_seen("jti-4", NOW)
+    snap = store.snapshot()
+    assert (snap.fence_generation, snap.fence_attempt_id) == (5, "attempt-a")
+
+
+def test_binding_persists_across_reopen_and_cannot_be_replaced(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        store.bind("session-1", "d" * 64, '{"sessionId":"session-1"}', NOW)
+        with pytest.raises(AlreadyBound):
+            store.bind("session-2", "e" * 64, "{}", NOW)
+    with StateStore.open(state_dir) as store:
+        binding = store.binding()
+        assert binding is not None
+        assert (binding.session_id, binding.digest) == ("session-1", "d" * 64)
+        assert binding.body_json == '{"sessionId":"session-1"}'
+        assert binding.bound_at == NOW
+        snap = store.snapshot()
+        assert (snap.bound_session_id, snap.binding_digest) == ("session-1", "d" * 64)
+
+
+def test_terminated_flag_persists_and_keeps_the_first_reason(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        assert store.snapshot().terminated is None
+        store.mark_terminated("profile_not_allowed", "Profile is not allowed.", NOW)
+        store.mark_terminated("other", "later", NOW + 5)
+    with StateStore.open(state_dir) as store:
+        terminated = store.snapshot().terminated
+    assert terminated is not None
+    assert (terminated.code, terminated.message, terminated.at) == (
+        "profile_not_allowed", "Profile is not allowed.", NOW
+    )
+
+
+def test_append_events_assigns_dense_seqs_and_returns_stored_frames(store: StateStore) -> None:
+    frames = store.append_events(
+        [("exec.started", {"call_id": "c1", "pid": 7}), ("exec.output", {"text": "héllo"})],
+        now=NOW,
+    )
+    assert frames == [
+        (1, '{"kind":"exec.started","seq":1,"body":{"call_id":"c1","pid":7}}'),
+        (2, '{"kind":"exec.output","seq":2,"body":{"text":"héllo"}}'),
+    ]
+    assert store.append_events([("tool.result", {"ok": True})])[0][0] == 3
+    third = (3, encode_event_frame("tool.result", 3, {"ok": True}))
+    assert store.events_after(0, 10) == [*frames, third]
+    assert store.events_after(1, 1) == [frames[1]]
+    assert store.append_events([]) == []
+    assert store.snapshot().local_event_max == 3
+
+
+def test_a_batch_with_a_bad_event_journals_nothing(store: StateStore) -> None:
+    with pytest.raises(ValueError):
+        store.append_events([("exec.output", {"a": 1}), ("exec.output", {"x": float("nan")})])
+    assert store.snapshot().local_event_max == 0
+    assert store.events_after(0, 10) == []
+
+
+def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        store.append_events([("e", {"n": n}) for n in range(1, 6)], now=NOW)
+        store.raise_ack_floor(5)
+        assert store.prune_acked(5) == 5
+        snap = store.snapshot()
+        # Everything pruned: oldest retained is one past the max, and the max is kept.
+        assert (snap.local_event_max, snap.oldest_retained_seq) == (5, 6)
+    with StateStore.open(state_dir) as store:
+        assert [seq for seq, _ in store.append_events([("e", {}), ("e", {})])] == [6, 7]
+        snap = store.snapshot()
+        assert (snap.local_event_max, snap.oldest_retained_seq, snap.ack_floor) == (7, 6, 5)
+
+
+def test_prune_never_passes_the_ack_floor(store: StateStore) -> None:
+    store.append_events([("e", {}) for _ in range(4)], now=NOW)
+    store.raise_ack_floor(2)
+    assert store.prune_acked(4) == 2  # asked for 4, only 1..2 are acked
+    assert [seq for seq, _ in store.events_after(0, 10)] == [3, 4]
+    assert store.snapshot().oldest_retained_seq == 3
+
+
+def test_ack_floor_never_lowers_and_never_passes_the_journal(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        store.append_events([("e", {}) for _ in range(5)], now=NOW)
+        assert store.raise_ack_floor(4) == 4
+        assert store.raise_ack_floor(2) == 4
+        with pytest.raises(AckAhead):
+            store.raise_ack_floor(6)
+    with StateStore.open(state_dir) as store:
+        assert store.snapshot().ack_floor == 4
+        assert store.raise_ack_floor(0) == 4
+
+
+def test_nested_transaction_is_refused_and_outer_one_still_atomic(store: StateStore) -> None:
+    with store._transaction() as conn:
+        with pytest.raises(StoreError, match="do not nest"):
+            store.snapshot()
+        conn.execute("INSERT INTO meta (key, value) VALUES ('probe', '1')")
+    assert store._conn.execute("SELECT value FROM meta WHERE key='probe'").fetchone() == ("1",)
+    # An error escaping the block rolls back everything written in it.
+    with pytest.raises(RuntimeError):
+        with store._transaction() as conn:
+            conn.execute("UPDATE meta SET value = '2' WHERE key = 'probe'")
+            raise RuntimeError("boom")
+    assert store._conn.execute("SELECT value FROM meta WHERE key='probe'").fetchone() == ("1",)
+
+
+def test_closed_store_raises_store_error(state_dir: Path) -> None:
+    store = StateStore.open(state_dir)
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(StoreError):
+        store.snapshot()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from supervisor.store import StateStore
+
+    store = StateStore.open(Path(sys.argv[1]))
+    store.record_upgrade(generation=7, attempt_id="attempt-7", jti="jti-7",
+                         jti_expires_at=2e9, now=1.7e9)
+    store.bind("session-k", "f" * 64, "{}", 1.7e9)
+    store.append_events([("exec.output", {"n": n}) for n in range(3)], now=1.7e9)
+    store.raise_ack_floor(2)
+    print("ok", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_writes_survive_kill_9_of_the_writer(state_dir: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(state_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line == "ok\n", proc.stderr.read() if proc.poll() is not None else line
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    with StateStore.open(state_dir) as store:
+        snap = store.snapshot()
+        assert (snap.fence_generation, snap.fence_attempt_id) == (7, "attempt-7")
+        assert snap.bound_session_id == "session-k"
+        assert (snap.local_event_max, snap.ack_floor) == (3, 2)
+        assert store.jti_seen("jti-7", 1.7e9)
+        assert [json.loads(f)["body"] for _, f in store.events_after(0, 10)] == [
+            {"n": 0}, {"n": 1}, {"n": 2}
+        ]
