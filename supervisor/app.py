@@ -22,7 +22,7 @@ import trio_websocket
 
 from protocol import PROTOCOL_VERSION, errors
 from protocol.authority import AuthorityError, JwksError, VerifierSettings, verify_assertion
-from protocol.bootstrap import bootstrap_digest
+from protocol.bootstrap import BootstrapBody, bootstrap_digest
 from protocol.frames import (
     BootstrapRejectedFrame,
     FrameError,
@@ -39,7 +39,10 @@ from supervisor.identity import SandboxIdentity
 from supervisor.keyring import KeyRing
 from supervisor.logs import configure_logging, safe_log
 from supervisor.notify import SystemdNotifier
+from supervisor.journal import Journal
+from supervisor.runtime.calls import CallRunner, error_frame
 from supervisor.runtime.handler import RuntimeHandler
+from supervisor.runtime.sender import SocketSender
 from supervisor.server import BoundListeners, open_listeners, remove_unix_paths, serve
 from supervisor.sessions import Connection, SessionHub
 from supervisor.store import StateStore, StoreError
@@ -90,6 +93,10 @@ class Supervisor:
         self.notifier = notifier
         self.version = supervisor_version()
         self.hub = SessionHub()
+        self.journal = Journal(store)
+        self.calls: CallRunner | None = None  # set once the daemon's call nursery is open
+        binding = store.binding()
+        self.session = BootstrapBody.model_validate_json(binding.body_json) if binding else None
         self.lifecycle = Lifecycle.TERMINATED if store.snapshot().terminated else Lifecycle.SERVING
         self.started_monotonic = time.monotonic()
         self.stop_requested = trio.Event()
@@ -146,6 +153,10 @@ class Supervisor:
             "uptimeS": int(time.monotonic() - self.started_monotonic),
         }
         return (200 if self.lifecycle is Lifecycle.SERVING else 503), http_front.json_body(body)
+
+    async def exec_frame(self, frame, reply) -> None:
+        """exec.signal / exec.read_output: no shell command has been run by this runtime."""
+        await reply(error_frame(errors.UNKNOWN_CALL, "No such command call.", frame.body.call_id))
 
     def metrics(self) -> tuple[int, bytes]:
         return 404, http_front.json_body({"error": errors.NOT_FOUND_ROUTE})
@@ -311,10 +322,18 @@ class Supervisor:
             return
         if not await self.handle_bootstrap(conn, frame, bound_log):
             return
-        await RuntimeHandler(self, conn, bound_log).run()
+        # Replay starts after the floor the client declared in its upgrade; the same cursor
+        # then follows the journal live, so the seam cannot skip or repeat an event.
+        sender = SocketSender(conn.ws, self.journal, cursor=conn.headers.event_ack)
+        await RuntimeHandler(self, conn, bound_log, sender).run()
 
-    async def handle_bootstrap(self, conn: Connection, frame: SessionBootstrapFrame, bound_log) -> bool:
-        """Bind or re-attach (True: the socket carries on), or reject and terminate (False)."""
+    async def handle_bootstrap(
+        self, conn: Connection, frame: SessionBootstrapFrame, bound_log, reply=None
+    ) -> bool:
+        """Bind or re-attach (True: the socket carries on), or reject and terminate (False).
+
+        `reply` queues through the socket's sender once it is attached; before that the
+        readiness frame is sent directly, so a failure to send it can be acted on."""
         body = frame.body
         digest = bootstrap_digest(body)
         binding = self.store.binding()
@@ -333,6 +352,7 @@ class Supervisor:
         if decision.newly_bound:
             try:
                 self.store.bind(body.sessionId, digest, body.model_dump_json(), time.time())
+                self.session = body
             except StoreError:
                 self._stage("bootstrap-persisted", "failure", started, body.sessionId)
                 conn.request_close(sessions.CLOSE_INTERNAL_ERROR, sessions.INTERNAL_REASON)
@@ -357,7 +377,9 @@ class Supervisor:
                 },
             }
         )
-        if not await self.send_text(conn, encode_frame(state)):
+        if reply is not None:
+            await reply(encode_frame(state))
+        elif not await self.send_text(conn, encode_frame(state)):
             self._stage("bootstrap-readiness-sent", "failure", started, body.sessionId)
             conn.request_close(sessions.CLOSE_INTERNAL_ERROR, sessions.SEND_FAILED_REASON)
             return False
@@ -452,12 +474,22 @@ async def run_supervisor(
             log.error("supervisor.terminated_at_start")
             notifier.notify("STOPPING=1", "STATUS=terminated after a bootstrap rejection")
             return EXIT_TERMINATED
+        # Calls a previous instance left pending are completed before anyone can connect, so
+        # a reconnecting client finds exactly one result for each of them.
+        from supervisor.runtime.file_tools import recover_pending_calls
+
+        recovered = recover_pending_calls(store)
+        if recovered:
+            log.warning("calls.recovered", count=recovered)
         identity = SandboxIdentity(config.paths.sandbox_id_file, env)
         sup = Supervisor(config, store, keyring, identity, notifier)
         bound = await open_listeners(config.listen.tcp, config.listen.unix)
         try:
             write_listening_file(config.paths.state_dir, bound)
             async with trio.open_nursery() as nursery:
+                # Tool calls belong to the session, not to a socket: they run here, outliving
+                # the connection that asked for them.
+                sup.calls = build_call_runner(sup, nursery)
                 if handle_signals:
                     nursery.start_soon(_watch_signals, sup)
                 await nursery.start(serve, bound.listeners, sup, config.websocket.max_handshakes)
@@ -474,6 +506,14 @@ async def run_supervisor(
         return sup.stop.exit_code
     finally:
         store.close()
+
+
+def build_call_runner(sup: Supervisor, nursery: trio.Nursery) -> CallRunner:
+    from supervisor.runtime import file_tools
+
+    runner = CallRunner(sup.store, sup.journal, nursery)
+    file_tools.register(runner)
+    return runner
 
 
 async def _drain(sup: Supervisor) -> None:

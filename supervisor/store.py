@@ -63,9 +63,11 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             call_id TEXT NOT NULL,
             state TEXT NOT NULL CHECK (state IN ('pending', 'completed')),
             result_seq INTEGER,
+            result_frame TEXT,
             intent_json TEXT,
             created_at REAL NOT NULL,
             completed_at REAL)""",
+        "CREATE INDEX idempotency_pending ON idempotency (state) WHERE state = 'pending'",
     ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
@@ -116,6 +118,23 @@ class StateSnapshot:
     local_event_max: int
     ack_floor: int
     oldest_retained_seq: int  # local_event_max + 1 when nothing is retained
+
+
+@dataclass(frozen=True, slots=True)
+class CallRecord:
+    """One idempotency record (PROTOCOL 7.1)."""
+
+    key: str
+    tool_name: str
+    digest: str
+    call_id: str
+    state: str  # "pending" | "completed"
+    result_seq: int | None
+    result_frame: str | None  # the tool.result event exactly as journaled (kept past pruning)
+    intent_json: str | None
+
+
+_CALL_COLUMNS = "key, tool_name, digest, call_id, state, result_seq, result_frame, intent_json"
 
 
 def encode_event_frame(kind: str, seq: int, body: dict[str, Any]) -> str:
@@ -373,6 +392,89 @@ class StateStore:
             floor = int(_read_meta(conn, META_ACK_FLOOR).get(META_ACK_FLOOR, 0))
             cursor = conn.execute("DELETE FROM events WHERE seq <= ?", (min(upto, floor),))
             return cursor.rowcount
+
+    # -- idempotency -----------------------------------------------------------------------
+
+    def begin_call(
+        self,
+        *,
+        key: str,
+        tool_name: str,
+        digest: str,
+        call_id: str,
+        intent_json: str | None,
+        now: float | None = None,
+    ) -> CallRecord | None:
+        """Claim `key` for a new execution: writes a pending record and returns None, or
+        returns the existing record untouched. One transaction, so of two concurrent calls
+        with the same key exactly one gets None."""
+        created_at = time.time() if now is None else now
+        with self._transaction() as conn:
+            row = conn.execute(
+                f"SELECT {_CALL_COLUMNS} FROM idempotency WHERE key = ?", (key,)
+            ).fetchone()
+            if row is not None:
+                return CallRecord(*row)
+            conn.execute(
+                "INSERT INTO idempotency (key, tool_name, digest, call_id, state, intent_json,"
+                " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
+                (key, tool_name, digest, call_id, intent_json, created_at),
+            )
+        return None
+
+    def set_call_intent(self, key: str, intent_json: str) -> None:
+        """Record what a pending call is about to do (a patch's planned result) before it
+        does it, so crash recovery can tell 'done' from 'not started'."""
+        with self._transaction() as conn:
+            updated = conn.execute(
+                "UPDATE idempotency SET intent_json = ? WHERE key = ? AND state = 'pending'",
+                (intent_json, key),
+            ).rowcount
+        if updated != 1:
+            raise StoreError(f"no pending call with key {key!r}")
+
+    def complete_call(
+        self,
+        key: str | None,
+        result_body: dict[str, Any],
+        *,
+        preceding: Sequence[tuple[str, dict[str, Any]]] = (),
+        now: float | None = None,
+    ) -> list[tuple[int, str]]:
+        """Journal a call's final events (`preceding`, e.g. exec.completed, then its
+        tool.result) and, with a key, mark its record completed — one transaction, so a
+        crash leaves either a pending record and no result, or both."""
+        created_at = time.time() if now is None else now
+        with self._transaction() as conn:
+            rows = self._append_events_in(
+                conn, [*preceding, ("tool.result", result_body)], created_at
+            )
+            seq, frame = rows[-1]
+            if key is not None:
+                updated = conn.execute(
+                    "UPDATE idempotency SET state = 'completed', result_seq = ?,"
+                    " result_frame = ?, completed_at = ? WHERE key = ? AND state = 'pending'",
+                    (seq, frame, created_at, key),
+                ).rowcount
+                if updated != 1:
+                    raise StoreError(f"no pending call with key {key!r}")
+        return rows
+
+    def call_record(self, key: str) -> CallRecord | None:
+        with self._transaction(write=False) as conn:
+            row = conn.execute(
+                f"SELECT {_CALL_COLUMNS} FROM idempotency WHERE key = ?", (key,)
+            ).fetchone()
+        return CallRecord(*row) if row else None
+
+    def pending_calls(self) -> list[CallRecord]:
+        """Records left pending (by a crash), oldest first."""
+        with self._transaction(write=False) as conn:
+            rows = conn.execute(
+                f"SELECT {_CALL_COLUMNS} FROM idempotency WHERE state = 'pending'"
+                " ORDER BY created_at, key"
+            ).fetchall()
+        return [CallRecord(*row) for row in rows]
 
     # -- helpers usable inside one _transaction() ------------------------------------------
 

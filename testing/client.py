@@ -167,14 +167,23 @@ class SessionState:
 
     generation: int = 0
     events: dict[int, dict] = field(default_factory=dict)  # seq → frame, as stored
+    acked: int = 0  # the highest seq acked to the daemon (it may have pruned up to there)
 
     @property
     def ack_floor(self) -> int:
-        """The highest seq below which every event is stored (what the client may ack)."""
-        floor = 0
+        """The highest seq up to which every event is stored (what the client may ack)."""
+        floor = self.acked
         while floor + 1 in self.events:
             floor += 1
         return floor
+
+    def results(self) -> dict[str, dict]:
+        """tool.result bodies by call_id, from the stored events."""
+        return {
+            frame["body"]["call_id"]: frame["body"]
+            for frame in self.events.values()
+            if frame.get("kind") == "tool.result"
+        }
 
 
 class ControlClient:
@@ -315,7 +324,55 @@ class ControlSession:
         return frame
 
     async def ack(self, seq: int | None = None) -> None:
-        await self.send("events.ack", {"seq": self.client.state.ack_floor if seq is None else seq})
+        seq = self.client.state.ack_floor if seq is None else seq
+        await self.send("events.ack", {"seq": seq})
+        self.client.state.acked = max(self.client.state.acked, seq)
+
+    async def call(
+        self,
+        tool_name: str,
+        parameters: dict,
+        *,
+        idempotency_key: str | None = None,
+        call_id: str | None = None,
+    ) -> str:
+        """Send a tool.call; returns its call_id."""
+        call_id = call_id or str(uuid.uuid4())
+        body: dict[str, Any] = {"tool_name": tool_name, "call_id": call_id, "parameters": parameters}
+        if idempotency_key is not None:
+            body["idempotency_key"] = idempotency_key
+        await self.send("tool.call", body)
+        return call_id
+
+    async def receive_until(self, predicate, timeout: float = 10.0) -> dict:
+        """Receive (storing events) until a frame satisfies `predicate`; return it."""
+        with trio.fail_after(timeout):
+            while True:
+                frame = await self.receive(timeout=timeout)
+                if predicate(frame):
+                    return frame
+
+    async def result(self, call_id: str, timeout: float = 10.0) -> dict:
+        """The outcome of a call: its tool.result body, or the original one carried by a
+        tool.replayed. A tool.pending is waited through."""
+        results = self.client.state.results()
+        if call_id in results:
+            return results[call_id]
+        frame = await self.receive_until(
+            lambda f: (f.get("kind") == "tool.result" and f["body"]["call_id"] == call_id)
+            or (f.get("kind") == "tool.replayed" and f["body"]["call_id"] == call_id)
+            or (f.get("kind") == "error" and f["body"].get("call_id") == call_id),
+            timeout,
+        )
+        if frame["kind"] == "tool.replayed":
+            return frame["body"]["original"]["body"]
+        if frame["kind"] == "error":
+            raise AssertionError(f"error frame for call {call_id}: {frame['body']}")
+        return frame["body"]
+
+    async def call_and_wait(self, tool_name: str, parameters: dict, **kwargs: Any) -> dict:
+        call_id = await self.call(tool_name, parameters, **kwargs)
+        return await self.result(call_id)
 
     async def closed_reason(self, timeout: float = 10.0) -> trio_websocket.CloseReason:
         """Wait until the daemon closes the socket; return its code and reason."""

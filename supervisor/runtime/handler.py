@@ -2,22 +2,29 @@
 
 Every frame is checked before it acts: it must come from the authoritative socket and carry
 the fenced generation. A frame that fails validation is answered with an `error` frame (not
-journaled) and the socket stays usable.
+journaled) and the socket stays usable. All writes to the socket go through its
+`SocketSender`, which first replays the journal after the client's ack floor, then follows
+it live.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import trio
+
 from protocol import errors
 from protocol.frames import (
-    ErrorFrame,
     EventsAckFrame,
+    ExecReadOutputFrame,
+    ExecSignalFrame,
     FrameError,
     SessionBootstrapFrame,
+    ToolCallFrame,
     decode_client_frame,
-    encode_frame,
 )
+from supervisor.runtime.calls import CallContext, error_frame
+from supervisor.runtime.sender import SocketSender
 from supervisor.sessions import Connection
 from supervisor.store import StoreError
 
@@ -25,54 +32,71 @@ if TYPE_CHECKING:
     from supervisor.app import Supervisor
 
 
-def error_frame(code: str, message: str, call_id: str | None = None) -> str:
-    body = {"code": code, "message": message}
-    if call_id is not None:
-        body["call_id"] = call_id
-    return encode_frame(ErrorFrame.model_validate({"kind": "error", "body": body}))
-
-
 class RuntimeHandler:
-    def __init__(self, sup: Supervisor, conn: Connection, log) -> None:
+    def __init__(self, sup: Supervisor, conn: Connection, log, sender: SocketSender) -> None:
         self.sup = sup
         self.conn = conn
         self.log = log
+        self.sender = sender
 
     async def run(self) -> None:
+        """Serve frames until the socket closes; the sender runs beside the reader."""
         self.conn.attached = True
-        while True:
-            raw = await self.sup.receive_text(self.conn)
-            if raw is None:
-                return
-            if not await self.handle(raw):
-                return
-
-    async def send(self, text: str) -> bool:
-        return await self.sup.send_text(self.conn, text)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.sender.run)
+            while True:
+                raw = await self.sup.receive_text(self.conn)
+                if raw is None or not await self.handle(raw):
+                    break
+            nursery.cancel_scope.cancel()
 
     async def handle(self, raw: str) -> bool:
         """Act on one frame; False when the socket must stop being served."""
         try:
             frame = decode_client_frame(raw)
         except FrameError as exc:
-            return await self.send(error_frame(exc.code, exc.message, exc.call_id))
+            await self.sender.reply(error_frame(exc.code, exc.message, exc.call_id))
+            return True
         if not self._may_act(frame.connectionGeneration):
-            return await self.send(
+            await self.sender.reply(
                 error_frame(
                     errors.GENERATION_MISMATCH,
                     "The frame's connectionGeneration is not the fenced generation.",
                 )
             )
+            return True
+        if isinstance(frame, ToolCallFrame):
+            await self.sup.calls.submit(frame.body, self.context(), self.sender.reply)
+            return True
+        if isinstance(frame, EventsAckFrame):
+            await self._ack(frame.body.seq)
+            return True
         if isinstance(frame, SessionBootstrapFrame):
             if frame.body.sessionId != self.conn.headers.session_id:
-                return await self.send(
+                await self.sender.reply(
                     error_frame(errors.INVALID_FRAME, "Bootstrap sessionId does not match the session.")
                 )
-            return await self.sup.handle_bootstrap(self.conn, frame, self.log)
-        if isinstance(frame, EventsAckFrame):
-            return await self._ack(frame.body.seq)
-        return await self.send(
-            error_frame(errors.UNKNOWN_KIND, f"Frame kind {frame.kind!r} is not served yet.")
+                return True
+            return await self.sup.handle_bootstrap(self.conn, frame, self.log, self.sender.reply)
+        if isinstance(frame, (ExecSignalFrame, ExecReadOutputFrame)):
+            await self._exec_frame(frame)
+            return True
+        raise AssertionError(f"unhandled frame kind {frame.kind}")  # the decoder knows no other
+
+    def context(self) -> CallContext:
+        claims = self.conn.claims
+        session = self.sup.session
+        assert session is not None  # attached implies bound
+        return CallContext(
+            session_id=session.sessionId,
+            generation=self.conn.generation,
+            cwd=session.agent.cwd,
+            agent_env=dict(session.agent.env or {}),
+            scopes=frozenset(claims.scopes),
+            allowed_paths=tuple(claims.allowed_paths) if claims.allowed_paths is not None else None,
+            allowed_commands=(
+                tuple(claims.allowed_commands) if claims.allowed_commands is not None else None
+            ),
         )
 
     def _may_act(self, generation: int) -> bool:
@@ -84,11 +108,21 @@ class RuntimeHandler:
             return False
         return generation == self.conn.generation == fence
 
-    async def _ack(self, seq: int) -> bool:
+    async def _ack(self, seq: int) -> None:
         snapshot = self.sup.store.snapshot()
         if seq > snapshot.local_event_max:
-            return await self.send(
+            await self.sender.reply(
                 error_frame(errors.ACK_AHEAD, "The ack is above the highest journaled seq.")
             )
-        self.sup.store.raise_ack_floor(seq)
-        return True
+            return
+        floor = self.sup.store.raise_ack_floor(seq)
+        # The client has stored everything up to its floor: those events may go.
+        self.sup.store.prune_acked(floor)
+
+    async def _exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> None:
+        if "shell:exec" not in self.conn.claims.scopes:
+            await self.sender.reply(
+                error_frame(errors.FORBIDDEN, "The connection lacks the shell:exec scope.", frame.body.call_id)
+            )
+            return
+        await self.sup.exec_frame(frame, self.sender.reply)

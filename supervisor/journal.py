@@ -1,0 +1,46 @@
+"""The session's event journal: the store's append plus a wake-up for the socket senders.
+
+Producers (tool calls, commands) only ever append; they never wait for a socket. Each
+attached socket's sender reads from the journal by cursor, so replay and live delivery are
+one path and nothing can be skipped or reordered at the seam between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from supervisor.store import StateStore
+
+
+class Journal:
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self._listeners: set[Callable[[], None]] = set()
+
+    def subscribe(self, wake: Callable[[], None]) -> None:
+        self._listeners.add(wake)
+
+    def unsubscribe(self, wake: Callable[[], None]) -> None:
+        self._listeners.discard(wake)
+
+    def _appended(self) -> None:
+        for wake in list(self._listeners):
+            wake()
+
+    def append(self, events: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[int, str]]:
+        """Commit events (dense seqs) and wake the senders; returns [(seq, frame_json)]."""
+        rows = self.store.append_events(events)
+        self._appended()
+        return rows
+
+    def complete_call(
+        self,
+        key: str | None,
+        result_body: dict[str, Any],
+        preceding: Sequence[tuple[str, dict[str, Any]]] = (),
+    ) -> list[tuple[int, str]]:
+        """Journal a call's final events and complete its idempotency record atomically."""
+        rows = self.store.complete_call(key, result_body, preceding=preceding)
+        self._appended()
+        return rows

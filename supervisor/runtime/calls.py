@@ -1,0 +1,241 @@
+"""Tool-call dispatch: validation, scopes, idempotency, execution, and the one tool.result.
+
+Calls belong to the session, not to the socket that sent them: they run in the daemon-wide
+`calls` nursery, so a call started on a socket that is later superseded still finishes and
+its result reaches the next socket through the journal.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import trio
+
+from protocol import errors
+from protocol.tools import TOOL_SCOPES, ToolCall, ToolCallError, call_digest, parse_tool_call
+from supervisor.journal import Journal
+from supervisor.runtime.failures import ToolFailure
+from supervisor.store import CallRecord, StateStore
+
+log = structlog.get_logger("supervisor.calls")
+
+Reply = Callable[[str], Awaitable[None]]
+
+
+class Outcome(enum.Enum):
+    RUN = "run"  # a new key (or no key): execute now
+    REPLAY = "replay"  # completed with the same digest: send the original result again
+    PENDING = "pending"  # the first execution is still running: the one result will come
+    KEY_REUSED = "key_reused"  # same key, different call: refuse, run nothing
+
+
+def idempotency_outcome(existing: CallRecord | None, digest: str) -> Outcome:
+    """PROTOCOL 7.1 as a pure decision over the record `begin_call` found (None: it wrote
+    a new pending record)."""
+    if existing is None:
+        return Outcome.RUN
+    if existing.digest != digest:
+        return Outcome.KEY_REUSED
+    return Outcome.REPLAY if existing.state == "completed" else Outcome.PENDING
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a call may touch, captured when it is accepted and kept for its whole run (a
+    later connection's claims never widen or narrow a call already running)."""
+
+    session_id: str
+    generation: int
+    cwd: str
+    agent_env: dict[str, str]
+    scopes: frozenset[str]
+    allowed_paths: tuple[str, ...] | None
+    allowed_commands: tuple[str, ...] | None
+
+
+@dataclass(slots=True)
+class RunningCall:
+    call: ToolCall
+    context: CallContext
+
+    @property
+    def key(self) -> str | None:
+        return self.call.idempotency_key
+
+
+ToolFunction = Callable[[RunningCall, "CallRunner"], Awaitable[dict[str, Any]]]
+
+
+def result_body(
+    call_id: str,
+    idempotency_key: str | None,
+    tool_name: str | None,
+    *,
+    result: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "call_id": call_id,
+        "idempotency_key": idempotency_key,
+        "tool_name": tool_name,
+        "ok": error is None,
+    }
+    if error is None:
+        body["result"] = result
+    else:
+        body["error"] = error
+    return body
+
+
+def failure_error(failure: ToolFailure) -> dict[str, Any]:
+    return {"code": failure.code, "message": failure.message, **failure.details}
+
+
+def pending_frame(call_id: str, key: str) -> str:
+    return json.dumps(
+        {"kind": "tool.pending", "body": {"call_id": call_id, "idempotency_key": key}},
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+
+
+def replayed_frame(call_id: str, key: str, original_frame: str) -> str:
+    """tool.replayed with the original tool.result embedded byte for byte as journaled."""
+    head = json.dumps({"call_id": call_id, "idempotency_key": key}, separators=(",", ":"), ensure_ascii=False)
+    return '{"kind":"tool.replayed","body":' + head[:-1] + ',"original":' + original_frame + "}}"
+
+
+def error_frame(code: str, message: str, call_id: str | None = None) -> str:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if call_id is not None:
+        body["call_id"] = call_id
+    return json.dumps({"kind": "error", "body": body}, separators=(",", ":"), ensure_ascii=False)
+
+
+class CallRunner:
+    """Accepts tool calls from attached sockets and runs them in the session's nursery."""
+
+    def __init__(self, store: StateStore, journal: Journal, nursery: trio.Nursery) -> None:
+        self.store = store
+        self.journal = journal
+        self.nursery = nursery
+        self.tools: dict[str, ToolFunction] = {}
+        # Patches are planned against a base sha and then written; two different keys
+        # patching the same file at once must not both pass the check against one base.
+        self.file_write_lock = trio.Lock()
+
+    def register(self, tool_name: str, function: ToolFunction) -> None:
+        self.tools[tool_name] = function
+
+    def journal_result(self, key: str | None, body: dict[str, Any]) -> None:
+        self.journal.complete_call(key, body)
+
+    async def submit(self, body: Any, context: CallContext, reply: Reply) -> None:
+        """Validate and dispatch one `tool.call` body. Everything up to the pending record is
+        synchronous, so duplicates arriving together are ordered by the store, not by luck."""
+        try:
+            call = parse_tool_call(body)
+        except ToolCallError as exc:
+            if exc.call_id is None:
+                await reply(error_frame(errors.INVALID_FRAME, exc.message))
+                return
+            self.journal_result(
+                None,
+                result_body(
+                    exc.call_id,
+                    exc.idempotency_key,
+                    exc.tool_name,
+                    error={"code": errors.INVALID_PARAMETERS, "message": exc.message},
+                ),
+            )
+            return
+        if TOOL_SCOPES[call.tool_name] not in context.scopes:
+            self.journal_result(
+                None,
+                result_body(
+                    call.call_id,
+                    call.idempotency_key,
+                    call.tool_name,
+                    error={
+                        "code": errors.FORBIDDEN,
+                        "message": f"The connection lacks the {TOOL_SCOPES[call.tool_name]} scope.",
+                    },
+                ),
+            )
+            return
+        key = call.idempotency_key
+        if key is not None:
+            digest = call_digest(call.tool_name, call.parameters)
+            existing = self.store.begin_call(
+                key=key,
+                tool_name=call.tool_name,
+                digest=digest,
+                call_id=call.call_id,
+                intent_json=json.dumps(
+                    {
+                        "parameters": call.parameters.model_dump(mode="json"),
+                        "cwd": context.cwd,
+                        "allowed_paths": context.allowed_paths,
+                        "session_id": context.session_id,
+                        "generation": context.generation,
+                    }
+                ),
+            )
+            outcome = idempotency_outcome(existing, digest)
+            if outcome is Outcome.REPLAY:
+                assert existing is not None and existing.result_frame is not None
+                await reply(replayed_frame(call.call_id, key, existing.result_frame))
+                return
+            if outcome is Outcome.PENDING:
+                await reply(pending_frame(call.call_id, key))
+                return
+            if outcome is Outcome.KEY_REUSED:
+                self.journal_result(
+                    None,
+                    result_body(
+                        call.call_id,
+                        key,
+                        call.tool_name,
+                        error={
+                            "code": errors.IDEMPOTENCY_KEY_REUSED,
+                            "message": "The idempotency key was used for a different call.",
+                        },
+                    ),
+                )
+                return
+        self.nursery.start_soon(self._run, RunningCall(call, context))
+
+    async def _run(self, running: RunningCall) -> None:
+        call = running.call
+        started = time.monotonic()
+        function = self.tools[call.tool_name]
+        try:
+            result = await function(running, self)
+            body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
+        except ToolFailure as failure:
+            body = result_body(call.call_id, call.idempotency_key, call.tool_name, error=failure_error(failure))
+        except Exception:
+            log.exception("tool.crashed", call_id=call.call_id, tool=call.tool_name)
+            body = result_body(
+                call.call_id,
+                call.idempotency_key,
+                call.tool_name,
+                error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
+            )
+        self.journal_result(call.idempotency_key, body)
+        log.info(
+            "tool.finished",
+            call_id=call.call_id,
+            tool=call.tool_name,
+            ok=body["ok"],
+            error=None if body["ok"] else body["error"]["code"],
+            duration_ms=round((time.monotonic() - started) * 1000, 3),
+            session_id=running.context.session_id,
+            generation=running.context.generation,
+        )

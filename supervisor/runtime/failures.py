@@ -1,0 +1,43 @@
+"""The one typed error the file tools raise (PROTOCOL.md 7: `tool.result` ok:false).
+
+The dispatcher catches `ToolFailure` alone and journals `to_error()`; anything else that escapes
+a tool is a bug and becomes `internal`. Subclasses (`PatchError`, `PathOutsideWorkspace`) only
+name where a failure comes from; the wire sees `code`, `message` and the details.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.errors import TOOL_ERROR_CODES
+
+# Keys of the error object that details may not overwrite.
+_RESERVED_KEYS = frozenset({"code", "message"})
+
+
+class ToolFailure(Exception):
+    """A failure the caller caused or can act on, with a stable protocol `code`.
+
+    `details` are the code's own fields (`current_sha` for base_sha_mismatch, `hunk` for
+    patch_does_not_apply); they sit next to code and message in the error object, as the
+    open `ToolError` model expects.
+    """
+
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+        if code not in TOOL_ERROR_CODES:
+            # A typo here would reach the peer as a code the protocol does not define.
+            raise ValueError(f"not a tool error code: {code!r}")
+        details = dict(details or {})
+        if _RESERVED_KEYS & details.keys():
+            raise ValueError("details may not carry 'code' or 'message'")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details
+
+    def to_error(self) -> dict[str, Any]:
+        """The `error` object of the `tool.result` (validates as protocol.frames.ToolError)."""
+        return {"code": self.code, "message": self.message, **self.details}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code!r}, {self.message!r}, {self.details!r})"

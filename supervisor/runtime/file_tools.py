@@ -1,0 +1,126 @@
+"""`apply_file_patch` and `read_file` as tools of the CallRunner, and the crash recovery of
+patches (PROTOCOL 7.1, 7.2, 7.2a).
+
+The decisions live in `paths`, `patch` and `files`; this module sequences them with the
+idempotency record: the planned result is recorded *before* the write, so after a crash
+the daemon can tell "written" from "not written" by the file's sha alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from protocol import errors
+from protocol.tools import ApplyFilePatchParams, ReadFileParams
+from supervisor.runtime.calls import CallRunner, RunningCall, failure_error, result_body
+from supervisor.runtime.failures import ToolFailure
+from supervisor.runtime.files import read_file_result
+from supervisor.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
+from supervisor.runtime.paths import resolve_in_jail
+from supervisor.store import CallRecord, StateStore
+
+# Hashing a file is the slow part of read_file; below this size it is cheaper to do it on
+# the trio thread than to pay for a worker-thread hop (~50-100 µs).
+INLINE_READ_MAX_BYTES = 1024 * 1024
+
+
+async def apply_file_patch(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+    params = running.call.parameters
+    assert isinstance(params, ApplyFilePatchParams)
+    ctx = running.context
+    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
+    async with runner.file_write_lock:
+        plan = await trio.to_thread.run_sync(plan_patch, target, params.path, params)
+        key = running.key
+        if key is not None:
+            intent = json.loads(runner.store.call_record(key).intent_json or "{}")
+            intent.update({"target": str(plan.path), "result": plan.result()})
+            runner.store.set_call_intent(key, json.dumps(intent))
+        await trio.to_thread.run_sync(commit_patch, plan)
+    return plan.result()
+
+
+async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+    params = running.call.parameters
+    assert isinstance(params, ReadFileParams)
+    ctx = running.context
+    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
+    try:
+        size = os.stat(target).st_size
+    except OSError:
+        size = 0  # read_file_result reports the precise error
+    if size <= INLINE_READ_MAX_BYTES:
+        return read_file_result(target, params.path, params)
+    return await trio.to_thread.run_sync(read_file_result, target, params.path, params)
+
+
+def register(runner: CallRunner) -> None:
+    runner.register("apply_file_patch", apply_file_patch)
+    runner.register("read_file", read_file)
+
+
+# --- crash recovery -------------------------------------------------------------------------
+
+
+def _interrupted(message: str, **details: Any) -> dict[str, Any]:
+    return {"code": errors.INTERRUPTED, "message": message, **details}
+
+
+def recover_patch_call(record: CallRecord) -> dict[str, Any]:
+    """The tool.result body that completes a patch left pending by a crash.
+
+    - the planned result was recorded: the file's sha says whether the write happened
+      (new sha → applied; base sha → apply now; anything else → interrupted);
+    - no plan was recorded: nothing was written yet, so the call is carried out now, with the
+      same base_sha guard a fresh call has.
+    """
+    intent = json.loads(record.intent_json or "{}")
+    params = ApplyFilePatchParams.model_validate(intent["parameters"])
+    allowed = intent.get("allowed_paths")
+    try:
+        target = resolve_in_jail(intent["cwd"], params.path, tuple(allowed) if allowed is not None else None)
+        planned = intent.get("result")
+        if planned is not None:
+            now = current_sha(Path(intent["target"]))
+            decision = recover_patch(now, planned["old_sha"], planned["new_sha"])
+            if decision == "applied":
+                return result_body(record.call_id, record.key, record.tool_name, result=planned)
+            if decision == "interrupted":
+                return result_body(
+                    record.call_id,
+                    record.key,
+                    record.tool_name,
+                    error=_interrupted(
+                        "The supervisor stopped while applying the patch, and the file has changed since.",
+                        current_sha=now,
+                    ),
+                )
+        plan = plan_patch(target, params.path, params)
+        commit_patch(plan)
+        return result_body(record.call_id, record.key, record.tool_name, result=plan.result())
+    except ToolFailure as failure:
+        return result_body(record.call_id, record.key, record.tool_name, error=failure_error(failure))
+
+
+def recover_pending_calls(store: StateStore) -> int:
+    """Complete every call a previous instance left pending; nothing runs twice. Returns the
+    number of calls completed. Shell commands are completed as interrupted (never re-run)."""
+    completed = 0
+    for record in store.pending_calls():
+        if record.tool_name == "apply_file_patch":
+            body = recover_patch_call(record)
+        else:
+            body = result_body(
+                record.call_id,
+                record.key,
+                record.tool_name,
+                error=_interrupted("The supervisor stopped before the call finished."),
+            )
+        store.complete_call(record.key, body)
+        completed += 1
+    return completed

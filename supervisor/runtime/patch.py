@@ -1,0 +1,550 @@
+"""apply_file_patch (PROTOCOL.md 7.2): git blob sha, strict unified-diff apply, atomic write.
+
+Three layers, so the rules are testable without files: `apply_unified_diff` is pure (bytes in,
+bytes out); `plan_patch` reads the file and decides, writing nothing; `commit_patch` writes the
+plan atomically. `recover_patch` is the crash rule of 7.1 as a function of three shas.
+
+The parser is our own, not the `unidiff` library (python-unidiff 1.0.1 was evaluated). It keeps
+`\\r` (it splits on "\\n" only) and reports "\\ No newline at end of file" in order, but it does
+not fit the contract, because:
+- lines past a hunk's stated counts are taken as "patch info" between files and silently
+  dropped: `@@ -1,2 +1,2 @@` followed by ` a`, `-b`, `+c`, `+d` parses as a valid hunk
+  without `+d`, so the file written would differ from the one the agent meant, where the
+  contract says the counts must agree with the header;
+- its errors are message strings (UnidiffParseError) without the hunk's index or header, which
+  `patch_does_not_apply` must report;
+- it is lenient where we are strict (blank lines after a hunk are appended to it as lines).
+It parses text, which is not the obstacle: the diff arrives as a JSON string anyway and is
+encoded to UTF-8 here; file content outside the hunks never passes through a decoder.
+
+The contract, beyond PROTOCOL 7.2:
+- Everything is bytes. The file and the diff are split on b"\\n" only; a line's "\\r" is part
+  of its content, so CRLF files keep their endings and bytes that are not UTF-8 outside the
+  hunks are kept byte for byte.
+- Each hunk applies at exactly the line its header states (`-l,s`: line l, or after line l when
+  s is 0), context and removed lines compared byte for byte; the `+l,s` side must agree with
+  where the hunk lands in the new file; hunk bodies must have exactly the stated counts; hunks
+  come in order and do not overlap. "\\ No newline at end of file" removes the newline of the
+  line before it, on whichever side that line belongs to.
+- The diff has one `--- ` / `+++ ` header pair. The names in it are not compared with the
+  call's `path` (the call's path is the one that counts; `a/` `b/` prefixes, timestamps and
+  any names are accepted) except for `/dev/null`: `--- /dev/null` creates (the file must not
+  exist), `+++ /dev/null` deletes (every line must be removed). Lines before `--- ` (`diff
+  --git`, `index`, mode lines, prose) are ignored; the file's mode is kept whatever they say.
+  A second file, a rename or copy, and binary patches are refused.
+- Inside a hunk, an empty line is an empty context line (editors strip the lone space; git
+  apply reads it the same way). Empty lines after the last hunk are ignored. A diff whose last
+  line has no "\\n" is read as if it had one (only the marker means "no newline").
+- A diff with no hunks is valid only to create or delete an empty file.
+
+Error codes: `invalid_parameters` when the diff is not a unified diff of one file, whatever
+the file holds (empty, no header, several files, binary, no hunks); `patch_does_not_apply`
+when it is one but does not fit this file: `{"hunk": {"index", "header", "reason"}}` (index
+from 0) when one hunk is at fault (malformed header, wrong counts, context mismatch, wrong
+position, stray line after it), `{"reason"}` when the diff as a whole does not fit (creates a
+file that exists, modifies or deletes one that does not, deletes but leaves lines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY
+from protocol.frames import PatchResult
+from protocol.tools import ApplyFilePatchParams
+from supervisor.runtime.failures import ToolFailure
+from supervisor.runtime.files import check_regular_file
+
+__all__ = [
+    "NEW_FILE_MODE",
+    "RecoveryOutcome",
+    "ZERO_SHA",
+    "DiffOutcome",
+    "PatchError",
+    "PatchPlan",
+    "apply_unified_diff",
+    "commit_patch",
+    "current_sha",
+    "git_blob_sha",
+    "plan_patch",
+    "recover_patch",
+]
+
+# The sha of "no file" (PROTOCOL 7.2): base_sha of a file to create, new_sha of a deleted one.
+ZERO_SHA = "0" * 40
+# Mode of a created file before the umask, as an editor would create it. A replaced file keeps
+# its own mode exactly (set with fchmod, so the umask cannot strip bits from it).
+NEW_FILE_MODE = 0o644
+# Mode of directories created for a new file, before the umask (what `mkdir -p` uses).
+NEW_DIRECTORY_MODE = 0o777
+# A hunk header is echoed into a journaled error; a junk one must not bloat the journal.
+MAX_ECHOED_HEADER_CHARS = 200
+# Temp files sit next to the target, hidden, with a random part so two writers never meet.
+TEMP_PREFIX = "."
+TEMP_SUFFIX = ".patch-tmp"
+TEMP_RANDOM_BYTES = 8
+# At most 4 bytes a char in UTF-8: 32 chars keep a temp name far below NAME_MAX.
+TEMP_NAME_CHARS = 32
+PRIVATE_TEMP_MODE = 0o600
+
+_DEV_NULL = b"/dev/null"
+_NEWLINE = b"\n"
+_CONTEXT, _REMOVED, _ADDED, _MARKER = b" ", b"-", b"+", b"\\"
+# Numbers of at most 16 digits (a line count fits in a JSON-safe integer): a longer one is a
+# malformed header, not a 5,000-digit int() that Python refuses with a ValueError.
+_HUNK_HEADER = re.compile(
+    rb"@@ -(\d{1,16})(?:,(\d{1,16}))? \+(\d{1,16})(?:,(\d{1,16}))? @@(.*)", re.DOTALL
+)
+
+
+class PatchError(ToolFailure):
+    """A patch that cannot be applied; `code` says why (base_sha_mismatch, patch_does_not_apply,
+    invalid_parameters, not_found)."""
+
+
+@dataclass(frozen=True)
+class DiffOutcome:
+    new: bytes | None  # None: the diff deletes the file
+    hunks: int
+
+
+@dataclass(frozen=True)
+class PatchPlan:
+    path: Path
+    display_path: str
+    old_sha: str  # ZERO_SHA: the file is created
+    new_sha: str  # ZERO_SHA: the file is deleted
+    new_bytes: bytes | None  # None: delete
+    hunks: int
+    mode: int | None  # permission bits of the existing file; None when it is created
+
+    def result(self) -> dict[str, Any]:
+        """The `apply_file_patch` result (PROTOCOL 7.2)."""
+        return PatchResult(
+            path=self.display_path,
+            old_sha=self.old_sha,
+            new_sha=self.new_sha,
+            hunks=self.hunks,
+            bytes=0 if self.new_bytes is None else len(self.new_bytes),
+        ).model_dump()
+
+
+def git_blob_sha(data: bytes) -> str:
+    """The git blob SHA-1 of `data`: what `git hash-object` prints for a file holding it."""
+    digest = hashlib.sha1(b"blob %d\0" % len(data))
+    digest.update(data)
+    return digest.hexdigest()
+
+
+# --- the pure part ------------------------------------------------------------------------
+
+
+@dataclass
+class _Hunk:
+    index: int
+    header: bytes
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    # (tag, content); content ends with b"\n" unless a marker followed the line.
+    body: list[tuple[bytes, bytes]]
+
+    def fail(self, reason: str) -> PatchError:
+        header = self.header.decode("utf-8", "replace")[:MAX_ECHOED_HEADER_CHARS]
+        return PatchError(
+            PATCH_DOES_NOT_APPLY,
+            f"Hunk {self.index} ({header}) does not apply: {reason}",
+            {"hunk": {"index": self.index, "header": header, "reason": reason}},
+        )
+
+    def side(self, tags: tuple[bytes, bytes]) -> list[bytes]:
+        return [content for tag, content in self.body if tag in tags]
+
+
+@dataclass
+class _Diff:
+    creates: bool
+    deletes: bool
+    hunks: list[_Hunk]
+
+
+def apply_unified_diff(original: bytes | None, diff: str) -> DiffOutcome:
+    """Apply `diff` to `original` (None: the file does not exist) strictly; raise PatchError."""
+    parsed = _parse(_diff_lines(diff))
+    if parsed.creates and original is not None:
+        raise _does_not_fit("the diff creates the file (--- /dev/null) but it exists")
+    if not parsed.creates and original is None:
+        raise _does_not_fit(
+            "the file does not exist; a diff that creates it starts with '--- /dev/null'"
+        )
+    lines = _split_lines(original or b"")
+    result: list[bytes] = []
+    cursor = 0  # index of the first original line not yet copied
+    for hunk in parsed.hunks:
+        cursor = _apply_hunk(hunk, lines, cursor, result)
+    result.extend(lines[cursor:])
+    new = b"".join(result)
+    if parsed.deletes:
+        if new:
+            raise _does_not_fit(
+                f"the diff deletes the file (+++ /dev/null) but leaves {len(result)} line(s)"
+            )
+        return DiffOutcome(new=None, hunks=len(parsed.hunks))
+    return DiffOutcome(new=new, hunks=len(parsed.hunks))
+
+
+def _apply_hunk(hunk: _Hunk, lines: list[bytes], cursor: int, result: list[bytes]) -> int:
+    """Copy up to the hunk, check its old side, emit its new side; the new cursor."""
+    old = hunk.side((_CONTEXT, _REMOVED))
+    new = hunk.side((_CONTEXT, _ADDED))
+    # "-l,s": the hunk starts at line l; with s == 0 it inserts after line l (0: at the top).
+    start = hunk.old_start - 1 if hunk.old_len else hunk.old_start
+    if start < cursor:
+        raise hunk.fail("it overlaps the previous hunk or comes before it")
+    end = start + hunk.old_len
+    if end > len(lines):
+        raise hunk.fail(f"it reaches past the end of the file ({len(lines)} lines)")
+    for offset, (expected, actual) in enumerate(zip(old, lines[start:end])):
+        if expected != actual:
+            hint = _hint(expected, actual)
+            raise hunk.fail(f"line {start + offset + 1} differs from the hunk{hint}")
+    result.extend(lines[cursor:start])
+    # The same convention on the new side: where the hunk's new lines land in the result.
+    expected_new_start = len(result) + 1 if hunk.new_len else len(result)
+    if hunk.new_start != expected_new_start:
+        raise hunk.fail(
+            f"its new side starts at line {hunk.new_start}, but it lands at line "
+            f"{expected_new_start}"
+        )
+    for position, line in enumerate(new):
+        if not line.endswith(_NEWLINE) and (position != len(new) - 1 or end != len(lines)):
+            raise hunk.fail("'\\ No newline at end of file' follows a line that is not the last")
+    result.extend(new)
+    return end
+
+
+def _hint(expected: bytes, actual: bytes) -> str:
+    if expected.rstrip(b"\r\n") == actual.rstrip(b"\r\n"):
+        return " (only the line ending differs: CRLF, LF or no newline at end of file)"
+    return ""
+
+
+def _does_not_fit(reason: str) -> PatchError:
+    return PatchError(
+        PATCH_DOES_NOT_APPLY, f"The diff does not apply: {reason}.", {"reason": reason}
+    )
+
+
+def _not_a_diff(reason: str) -> PatchError:
+    return PatchError(INVALID_PARAMETERS, f"diff: {reason}.")
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    """Lines with their b"\\n" (the last one may lack it); never str.splitlines, which also
+    splits on \\r, \\x0b, \\x1c, \\u2028 and more."""
+    parts = data.split(_NEWLINE)
+    lines = [part + _NEWLINE for part in parts[:-1]]
+    if parts[-1]:
+        lines.append(parts[-1])
+    return lines
+
+
+def _diff_lines(diff: str) -> list[bytes]:
+    try:
+        data = diff.encode("utf-8")
+    except UnicodeEncodeError:
+        # Only a lone surrogate gets here; the frame parser refuses them, other callers may not.
+        raise _not_a_diff("not valid Unicode text") from None
+    parts = data.split(_NEWLINE)
+    if parts[-1] == b"":
+        parts.pop()  # the terminator of the last line, not an empty line
+    return parts
+
+
+def _is_file_header(lines: list[bytes], i: int) -> bool:
+    return (
+        lines[i].startswith(b"--- ") and i + 1 < len(lines) and lines[i + 1].startswith(b"+++ ")
+    )
+
+
+def _names_dev_null(header_line: bytes) -> bool:
+    name = header_line[4:].split(b"\t", 1)[0].rstrip(b"\r")
+    return name == _DEV_NULL
+
+
+# Preamble lines that mean "not a plain content diff of one file".
+_REFUSED_PREAMBLE = (
+    (b"Binary files ", "binary diffs are not supported"),
+    (b"GIT binary patch", "binary diffs are not supported"),
+    (b"rename from ", "renames are not supported; send a diff of one path"),
+    (b"copy from ", "copies are not supported; send a diff of one path"),
+)
+
+
+def _parse(lines: list[bytes]) -> _Diff:
+    if not any(line.strip() for line in lines):
+        raise _not_a_diff("the diff is empty")
+    i = _skip_preamble(lines)
+    if i == len(lines):
+        raise _not_a_diff("no '--- ' / '+++ ' file header")
+    creates, deletes = _names_dev_null(lines[i]), _names_dev_null(lines[i + 1])
+    if creates and deletes:
+        raise _not_a_diff("both sides are /dev/null")
+    i += 2
+    hunks: list[_Hunk] = []
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(b"@@"):
+            hunk, i = _parse_hunk(lines, i, len(hunks))
+            hunks.append(hunk)
+        elif _is_file_header(lines, i) or line.startswith(b"diff "):
+            raise _not_a_diff("it holds more than one file; send one call per file")
+        elif not any(rest for rest in lines[i:]):
+            break  # trailing empty lines carry nothing
+        elif hunks:
+            raise hunks[-1].fail(
+                f"diff line {i + 1} follows it but is not a hunk header "
+                "(the hunk has more lines than its header states)"
+            )
+        else:
+            raise _not_a_diff(f"diff line {i + 1} after the file header is not a hunk header")
+    if not hunks and not (creates or deletes):
+        raise _not_a_diff("it has no hunks")
+    return _Diff(creates=creates, deletes=deletes, hunks=hunks)
+
+
+def _skip_preamble(lines: list[bytes]) -> int:
+    """Index of the `--- ` line (len(lines) if none); refuses what the preamble must not say."""
+    files = 0
+    for i, line in enumerate(lines):
+        if _is_file_header(lines, i):
+            return i
+        if line.startswith(b"diff "):
+            files += 1
+            if files > 1:
+                raise _not_a_diff("it holds more than one file; send one call per file")
+        if line.startswith(b"@@"):
+            raise _not_a_diff(f"diff line {i + 1}: a hunk before the '--- ' / '+++ ' header")
+        for prefix, reason in _REFUSED_PREAMBLE:
+            if line.startswith(prefix):
+                raise _not_a_diff(reason)
+    return len(lines)
+
+
+def _parse_hunk(lines: list[bytes], i: int, index: int) -> tuple[_Hunk, int]:
+    """Parse the hunk whose header is lines[i]; the hunk and the index of the line after it."""
+    header = lines[i]
+    match = _HUNK_HEADER.fullmatch(header)
+    hunk = _Hunk(index, header, old_start=0, old_len=0, new_start=0, new_len=0, body=[])
+    if match is None:
+        raise hunk.fail("malformed hunk header (expected '@@ -l,s +l,s @@')")
+    # An omitted length is 1 (the unified format's rule).
+    hunk.old_start, hunk.new_start = int(match[1]), int(match[3])
+    hunk.old_len = 1 if match[2] is None else int(match[2])
+    hunk.new_len = 1 if match[4] is None else int(match[4])
+    if hunk.old_len == hunk.new_len == 0:
+        raise hunk.fail("malformed hunk header (a hunk without lines)")
+    if (hunk.old_start == 0 and hunk.old_len) or (hunk.new_start == 0 and hunk.new_len):
+        raise hunk.fail("malformed hunk header (a side starts at line 0 but has lines)")
+    old_seen = new_seen = 0
+    i += 1
+    while i < len(lines):
+        raw = lines[i]
+        if raw.startswith(_MARKER):
+            if not hunk.body or not hunk.body[-1][1].endswith(_NEWLINE):
+                raise hunk.fail(f"diff line {i + 1}: a '\\' marker that follows no line")
+            tag, content = hunk.body[-1]
+            hunk.body[-1] = (tag, content[:-1])
+            i += 1
+            continue
+        if old_seen == hunk.old_len and new_seen == hunk.new_len:
+            break
+        # An empty line is an empty context line whose lone space was stripped.
+        tag, content = (raw[:1], raw[1:]) if raw else (_CONTEXT, b"")
+        if tag not in (_CONTEXT, _REMOVED, _ADDED):
+            break  # reported below as a short hunk
+        if tag != _ADDED:
+            old_seen += 1
+        if tag != _REMOVED:
+            new_seen += 1
+        if old_seen > hunk.old_len or new_seen > hunk.new_len:
+            raise hunk.fail(
+                f"diff line {i + 1}: more lines than its header states "
+                f"(-{hunk.old_len} +{hunk.new_len})"
+            )
+        hunk.body.append((tag, content + _NEWLINE))
+        i += 1
+    if old_seen < hunk.old_len or new_seen < hunk.new_len:
+        raise hunk.fail(
+            f"fewer lines than its header states (-{old_seen} +{new_seen} of "
+            f"-{hunk.old_len} +{hunk.new_len})"
+        )
+    return hunk, i
+
+
+# --- the file system part -----------------------------------------------------------------
+
+
+def _read_regular(path: Path) -> tuple[bytes, int] | None:
+    """(bytes, permission bits) of a regular file; None when nothing is there."""
+    try:
+        # O_NONBLOCK: opening a fifo must not wait for a writer; it is refused just below.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        _check_creatable(path)
+        return None
+    except NotADirectoryError:
+        raise PatchError(INVALID_PARAMETERS, "A parent of the path is not a directory.") from None
+    try:
+        info = os.fstat(fd)
+        check_regular_file(info.st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as file:
+        return file.read(), stat.S_IMODE(info.st_mode)
+
+
+def _check_creatable(path: Path) -> None:
+    """The deepest existing ancestor of a missing file must be a directory (mkdir can work)."""
+    for ancestor in path.parents:
+        if ancestor.exists():
+            if not ancestor.is_dir():
+                raise PatchError(INVALID_PARAMETERS, "A parent of the path is not a directory.")
+            return
+
+
+def current_sha(path: Path) -> str:
+    """Git blob sha of the file at `path`; ZERO_SHA when there is none (crash recovery)."""
+    found = _read_regular(path)
+    return ZERO_SHA if found is None else git_blob_sha(found[0])
+
+
+def plan_patch(target: Path, display_path: str, params: ApplyFilePatchParams) -> PatchPlan:
+    """Decide the patch of `target` (a jailed real path); nothing is written.
+
+    Raises PatchError: base_sha_mismatch (with current_sha), patch_does_not_apply,
+    invalid_parameters (malformed diff; a directory or other non-regular file at the path).
+    """
+    found = _read_regular(target)
+    original, mode = (None, None) if found is None else found
+    old_sha = ZERO_SHA if original is None else git_blob_sha(original)
+    if old_sha != params.base_sha:
+        raise PatchError(
+            BASE_SHA_MISMATCH,
+            "base_sha does not match the file's current content.",
+            {"current_sha": old_sha},
+        )
+    outcome = apply_unified_diff(original, params.diff)
+    new_sha = ZERO_SHA if outcome.new is None else git_blob_sha(outcome.new)
+    return PatchPlan(
+        path=target,
+        display_path=display_path,
+        old_sha=old_sha,
+        new_sha=new_sha,
+        new_bytes=outcome.new,
+        hunks=outcome.hunks,
+        mode=mode,
+    )
+
+
+def commit_patch(plan: PatchPlan) -> None:
+    """Write the plan atomically: readers see the old file or the new one, never a mix.
+
+    The file is checked once more against plan.old_sha right before writing, which narrows
+    (it cannot close) the window in which another writer changed it since the plan; the
+    dispatcher serialises patches of one path. Missing parent directories of a new file are
+    created (the jail already admitted the whole path; agents expect `mkdir -p`). The owner
+    is not kept: the supervisor writes as itself, the agent's user. A kill between the
+    temp file's creation and the rename leaves a `.<name>.<random>.patch-tmp` file behind,
+    never a half-written target.
+    """
+    now = current_sha(plan.path)
+    if now != plan.old_sha:
+        raise PatchError(
+            BASE_SHA_MISMATCH,
+            "The file changed between planning and writing the patch.",
+            {"current_sha": now},
+        )
+    directory = plan.path.parent
+    if plan.new_bytes is None:
+        os.unlink(plan.path)
+        _fsync_directory(directory)
+        return
+    _make_directories(directory)
+    temp = directory / _temp_name(plan.path.name)
+    # A replaced file's bits are set with fchmod below; until then only we may open it.
+    create_mode = NEW_FILE_MODE if plan.mode is None else PRIVATE_TEMP_MODE
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(temp, flags, create_mode)
+    try:
+        try:
+            if plan.mode is not None:
+                os.fchmod(fd, plan.mode)  # exactly the old bits; the umask does not apply
+            view = memoryview(plan.new_bytes)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, plan.path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(directory)
+
+
+def _temp_name(name: str) -> str:
+    # Part of the target's name helps a human who finds a leftover; cut so the whole name
+    # stays under NAME_MAX (255 bytes) whatever the target's name is.
+    stem = name[:TEMP_NAME_CHARS]
+    return f"{TEMP_PREFIX}{stem}.{secrets.token_hex(TEMP_RANDOM_BYTES)}{TEMP_SUFFIX}"
+
+
+def _make_directories(directory: Path) -> None:
+    """mkdir -p, each new directory made durable in its parent."""
+    missing = []
+    for candidate in (directory, *directory.parents):
+        if candidate.is_dir():
+            break
+        missing.append(candidate)
+    for new in reversed(missing):
+        try:
+            os.mkdir(new, NEW_DIRECTORY_MODE)
+        except FileExistsError:
+            if not new.is_dir():
+                raise
+        _fsync_directory(new.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+RecoveryOutcome = Literal["applied", "apply_now", "interrupted"]
+
+
+def recover_patch(current: str, old_sha: str, new_sha: str) -> RecoveryOutcome:
+    """PROTOCOL 7.1 for a patch left pending by a crash, from the file's sha now.
+
+    New content first: a patch that changes nothing (old == new) counts as applied. For
+    "apply_now", re-running plan_patch with the recorded parameters gives the same plan (the
+    base content is the same bytes), then commit_patch.
+    """
+    if current == new_sha:
+        return "applied"
+    if current == old_sha:
+        return "apply_now"
+    return "interrupted"

@@ -1,0 +1,65 @@
+"""The per-socket sender: one task that owns every write to its socket.
+
+It sends, in a loop: queued replies (not journaled), then journaled events after its cursor,
+read from sqlite in batches. Producers never wait for it; a slow client only makes this task
+wait, and memory stays bounded (a batch of events plus a bounded reply queue).
+"""
+
+from __future__ import annotations
+
+import trio
+import trio_websocket
+
+from supervisor.journal import Journal
+
+# Bounded: a client that floods requests without reading replies is slowed at its own
+# reader (back-pressure), never allowed to grow the daemon's memory.
+REPLY_QUEUE_SIZE = 64
+# Large enough that a 100,000-event replay costs few queries, small enough to bound memory.
+EVENT_BATCH = 512
+
+
+class SocketSender:
+    def __init__(self, ws: trio_websocket.WebSocketConnection, journal: Journal, cursor: int) -> None:
+        self._ws = ws
+        self._journal = journal
+        self.cursor = cursor  # the highest seq sent (or known to the client) so far
+        self._reply_in, self._reply_out = trio.open_memory_channel[str](REPLY_QUEUE_SIZE)
+        self._wake = trio.Event()
+        self.failed = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def reply(self, text: str) -> None:
+        """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…)."""
+        await self._reply_in.send(text)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Send until the socket closes (or the task is cancelled with its connection)."""
+        self._journal.subscribe(self.wake)
+        try:
+            while True:
+                self._wake = trio.Event()
+                sent = await self._send_replies()
+                rows = self._journal.store.events_after(self.cursor, EVENT_BATCH)
+                for seq, frame in rows:
+                    await self._ws.send_message(frame)
+                    self.cursor = seq
+                if not sent and not rows:
+                    await self._wake.wait()
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+            self.failed = True
+        finally:
+            self._journal.unsubscribe(self.wake)
+
+    async def _send_replies(self) -> bool:
+        sent = False
+        while True:
+            try:
+                text = self._reply_out.receive_nowait()
+            except trio.WouldBlock:
+                return sent
+            await self._ws.send_message(text)
+            sent = True

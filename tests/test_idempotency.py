@@ -1,0 +1,167 @@
+"""Exactly-once tool calls over real sockets (PROTOCOL 7, 7.1)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import trio
+
+from supervisor.runtime.calls import Outcome, idempotency_outcome
+from supervisor.store import CallRecord
+
+ZERO = "0" * 40
+
+
+def blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def create_diff(path: str, text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    return f"--- /dev/null\n+++ b/{path}\n@@ -0,0 +1,{len(lines)} @@\n" + "".join("+" + l for l in lines)
+
+
+def create_call(path: str, text: str) -> dict:
+    return {"path": path, "diff": create_diff(path, text), "base_sha": ZERO}
+
+
+def record(state: str, digest: str) -> CallRecord:
+    return CallRecord("k", "read_file", digest, str(uuid.uuid4()), state, None, None, None)
+
+
+def test_outcome_decision_table():
+    assert idempotency_outcome(None, "d") is Outcome.RUN
+    assert idempotency_outcome(record("completed", "d"), "d") is Outcome.REPLAY
+    assert idempotency_outcome(record("pending", "d"), "d") is Outcome.PENDING
+    assert idempotency_outcome(record("completed", "d"), "other") is Outcome.KEY_REUSED
+    assert idempotency_outcome(record("pending", "d"), "other") is Outcome.KEY_REUSED
+
+
+async def bootstrapped(daemon, **client_kwargs):
+    client = daemon.client(**client_kwargs)
+    return client
+
+
+async def test_completed_duplicate_is_replayed_with_the_original_event(daemon):
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        first = await session.call("apply_file_patch", create_call("a.txt", "one\n"), idempotency_key="k-1")
+        result = await session.result(first)
+        assert result["ok"] is True
+        original = next(f for f in client.state.events.values() if f["kind"] == "tool.result")
+        retry = await session.call("apply_file_patch", create_call("a.txt", "one\n"), idempotency_key="k-1")
+        frame = await session.receive_until(lambda f: f["kind"] == "tool.replayed")
+    assert frame["body"]["call_id"] == retry
+    assert frame["body"]["idempotency_key"] == "k-1"
+    assert frame["body"]["original"] == original  # same seq, same body
+    assert (daemon.layout.workspace / "a.txt").read_text() == "one\n"
+    assert daemon.supervisor.store.snapshot().local_event_max == 1  # nothing new journaled
+
+
+async def test_different_call_with_same_key_is_refused(daemon):
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        await session.call_and_wait("apply_file_patch", create_call("a.txt", "one\n"), idempotency_key="k-1")
+        result = await session.call_and_wait(
+            "apply_file_patch", create_call("b.txt", "two\n"), idempotency_key="k-1"
+        )
+    assert result["ok"] is False and result["error"]["code"] == "idempotency_key_reused"
+    assert not (daemon.layout.workspace / "b.txt").exists()
+
+
+async def test_concurrent_duplicates_on_one_socket_execute_once(daemon):
+    client = daemon.client()
+    big = "x" * 100 + "\n"
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        ids = [
+            await session.call("apply_file_patch", create_call("c.txt", big), idempotency_key="same")
+            for _ in range(5)
+        ]
+        answers = {}
+        with trio.fail_after(10):
+            while len(answers) < 5:
+                frame = await session.receive()
+                call_id = frame["body"].get("call_id")
+                if call_id in ids and frame["kind"] in ("tool.result", "tool.pending", "tool.replayed"):
+                    answers.setdefault(call_id, frame["kind"])
+        if answers[ids[0]] != "tool.result":
+            await session.result(ids[0])
+    assert answers[ids[0]] == "tool.result"
+    assert all(answers[i] in ("tool.pending", "tool.replayed") for i in ids[1:])
+    results = [f for f in client.state.events.values() if f["kind"] == "tool.result"]
+    assert len(results) == 1 and results[0]["body"]["ok"] is True
+    assert (daemon.layout.workspace / "c.txt").read_text() == big
+
+
+async def test_duplicate_across_reconnect_runs_once(daemon):
+    client = daemon.client()
+    cwd = str(daemon.layout.workspace)
+    async with client.connect() as session:
+        await session.bootstrap(cwd=cwd)
+        await session.call("apply_file_patch", create_call("d.txt", "dee\n"), idempotency_key="k-d")
+        # Dropped before reading anything.
+    async with client.connect() as session:
+        await session.bootstrap(cwd=cwd)
+        retry = await session.call("apply_file_patch", create_call("d.txt", "dee\n"), idempotency_key="k-d")
+        outcome = await session.result(retry)
+    assert outcome["ok"] is True
+    assert outcome["result"]["new_sha"] == blob_sha(b"dee\n")
+    results = [f for f in client.state.events.values() if f["kind"] == "tool.result"]
+    assert len(results) == 1  # the replayed journal and the answer to the retry are one event
+
+
+async def test_invalid_calls_get_typed_answers(daemon):
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        call_id = str(uuid.uuid4())
+        # Readable call_id, missing idempotency key for a patch: a journaled invalid_parameters.
+        await session.send("tool.call", {"tool_name": "apply_file_patch", "call_id": call_id, "parameters": {}})
+        result = await session.result(call_id)
+        assert result["ok"] is False and result["error"]["code"] == "invalid_parameters"
+        # Unknown tool, readable call_id.
+        other = str(uuid.uuid4())
+        await session.send("tool.call", {"tool_name": "rm_rf", "call_id": other, "parameters": {}})
+        assert (await session.result(other))["error"]["code"] == "invalid_parameters"
+        # Unreadable call_id: an error frame, nothing journaled.
+        before = daemon.supervisor.store.snapshot().local_event_max
+        await session.send("tool.call", {"tool_name": "read_file", "call_id": "not-a-uuid", "parameters": {}})
+        frame = await session.receive_until(lambda f: f["kind"] == "error")
+        assert frame["body"]["code"] == "invalid_frame"
+        assert daemon.supervisor.store.snapshot().local_event_max == before
+
+
+async def test_missing_scope_is_forbidden(daemon):
+    client = daemon.client(scope="files:read")
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        result = await session.call_and_wait(
+            "apply_file_patch", create_call("e.txt", "e\n"), idempotency_key="k-e"
+        )
+        assert result["ok"] is False and result["error"]["code"] == "forbidden"
+        await session.send("exec.signal", {"call_id": str(uuid.uuid4()), "signal": "SIGINT"})
+        frame = await session.receive_until(lambda f: f["kind"] == "error")
+        assert frame["body"]["code"] == "forbidden"
+    assert not (daemon.layout.workspace / "e.txt").exists()
+    # A forbidden call is not an execution: the key stays free for an authorised retry.
+    assert daemon.supervisor.store.call_record("k-e") is None
+
+
+async def test_replayed_result_survives_pruning(daemon):
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        first = await session.call_and_wait("apply_file_patch", create_call("f.txt", "f\n"), idempotency_key="k-f")
+        await session.ack()
+        await session.call_and_wait("read_file", {"path": "f.txt"})  # the ack was processed
+        assert daemon.supervisor.store.snapshot().oldest_retained_seq > 1
+        retry = await session.call("apply_file_patch", create_call("f.txt", "f\n"), idempotency_key="k-f")
+        frame = await session.receive_until(lambda f: f["kind"] == "tool.replayed")
+    assert frame["body"]["call_id"] == retry
+    assert frame["body"]["original"]["body"] == first
+    assert frame["body"]["original"]["seq"] == 1

@@ -1,0 +1,134 @@
+"""The event journal over real sockets: dense seqs, acks, pruning, replay (PROTOCOL 9)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import trio
+
+from testing.daemon import in_process_daemon
+
+
+def blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+async def make_events(session, count: int, path: str = "note.txt") -> list[str]:
+    """Produce `count` journaled events (read_file results) and wait for them all."""
+    call_ids = [await session.call("read_file", {"path": path}) for _ in range(count)]
+    for call_id in call_ids:
+        await session.result(call_id)
+    return call_ids
+
+
+def seqs_of(frames):
+    return [f["seq"] for f in frames]
+
+
+async def collect_replay(session, expected_last: int) -> list[dict]:
+    frames = []
+    while not frames or frames[-1]["seq"] < expected_last:
+        frame = await session.receive()
+        if "seq" in frame:
+            frames.append(frame)
+    return frames
+
+
+async def test_seqs_are_dense_and_ordered_across_reconnects_and_restarts(layout):
+    (layout.workspace / "note.txt").write_text("hello\n")
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await make_events(session, 5)
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await make_events(session, 3)
+    async with in_process_daemon(layout) as daemon:
+        client.endpoint = daemon.tcp
+        async with client.connect() as session:
+            state = await session.bootstrap(cwd=str(layout.workspace))
+            assert state["body"]["localEventMax"] == 8
+            await make_events(session, 4)
+        # A fresh client with floor 0 gets the whole journal, in order, once.
+        fresh = daemon.client()
+        fresh.state.generation = client.state.generation
+        async with fresh.connect(ack_floor=0) as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            frames = await collect_replay(session, 12)
+    assert seqs_of(frames) == list(range(1, 13))
+    assert sorted(client.state.events) == list(range(1, 13))
+    assert all(frames[i - 1] == client.state.events[i] for i in range(1, 13))
+
+
+async def test_replay_from_floor_while_events_are_produced(daemon):
+    """Reconnect with a floor in the middle while calls keep completing: the new socket gets
+    every event after the floor exactly once, in order, across the replay/live seam."""
+    (daemon.layout.workspace / "note.txt").write_text("x" * 100)
+    client = daemon.client()
+    cwd = str(daemon.layout.workspace)
+    async with client.connect() as session:
+        await session.bootstrap(cwd=cwd)
+        await make_events(session, 50)
+        # Fire 200 more calls and leave without waiting for them.
+        for _ in range(200):
+            await session.call("read_file", {"path": "note.txt"})
+    floor = 20
+    async with client.connect(ack_floor=floor) as session:
+        await session.bootstrap(cwd=cwd)
+        # More events produced while the replay is under way.
+        async with trio.open_nursery() as nursery:
+            async def produce():
+                for _ in range(100):
+                    await session.call("read_file", {"path": "note.txt"})
+                    await trio.sleep(0)
+
+            nursery.start_soon(produce)
+            frames = await collect_replay(session, 350)
+    assert seqs_of(frames) == list(range(floor + 1, 351))
+
+
+async def test_ack_rules_and_pruning(daemon):
+    (daemon.layout.workspace / "note.txt").write_text("x")
+    client = daemon.client()
+    cwd = str(daemon.layout.workspace)
+    store = daemon.supervisor.store
+    async with client.connect() as session:
+        await session.bootstrap(cwd=cwd)
+        await make_events(session, 10)
+        await session.send("events.ack", {"seq": 11})
+        frame = await session.receive()
+        assert frame["kind"] == "error" and frame["body"]["code"] == "ack_ahead"
+        await session.ack(6)
+        await session.ack(3)  # lower: ignored, the floor never goes down
+        await session.send("events.ack", {"seq": 0})
+        await make_events(session, 1)  # a round trip, so the acks were processed
+        snapshot = store.snapshot()
+        assert snapshot.ack_floor == 6
+        assert snapshot.oldest_retained_seq == 7
+        assert [seq for seq, _ in store.events_after(0, 100)] == list(range(7, 12))
+    # A reconnect whose floor is below oldestRetainedSeq - 1 is served from the oldest retained.
+    fresh = daemon.client()
+    fresh.state.generation = client.state.generation
+    async with fresh.connect(ack_floor=2) as session:
+        state = await session.bootstrap(cwd=cwd)
+        assert state["body"]["oldestRetainedSeq"] == 7
+        assert state["body"]["ackFloor"] == 6
+        frames = await collect_replay(session, 11)
+    assert seqs_of(frames) == list(range(7, 12))
+
+
+async def test_client_that_stops_reading_does_not_block_producers(daemon):
+    """While the client reads nothing, calls keep completing and journaling; afterwards the
+    client receives every event in order."""
+    (daemon.layout.workspace / "note.txt").write_text("y" * 1000)
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        for _ in range(1500):
+            await session.call("read_file", {"path": "note.txt"})
+        with trio.fail_after(20):
+            while daemon.supervisor.store.snapshot().local_event_max < 1500:
+                await trio.sleep(0.01)
+        frames = await collect_replay(session, 1500)
+    assert seqs_of(frames) == list(range(1, 1501))

@@ -1,0 +1,175 @@
+"""The workspace jail (PROTOCOL.md 7.2): real paths inside agent.cwd and allowed_paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from protocol.errors import INVALID_PARAMETERS, PATH_OUTSIDE_WORKSPACE
+from supervisor.runtime.failures import ToolFailure
+from supervisor.runtime.paths import PathOutsideWorkspace, resolve_in_jail
+
+
+@pytest.fixture
+def workspace(tmp_path) -> Path:
+    """tmp/root/{repo (= agent.cwd), other, outside.txt}, with repo/src/a.py and repo/srcx/b.py."""
+    root = tmp_path / "root"
+    cwd = root / "repo"
+    (cwd / "src").mkdir(parents=True)
+    (cwd / "srcx").mkdir()
+    (cwd / "src" / "a.py").write_text("a\n")
+    (cwd / "srcx" / "b.py").write_text("b\n")
+    (cwd / "README").write_text("r\n")
+    (root / "other").mkdir()
+    (root / "other" / "secret.txt").write_text("s\n")
+    (tmp_path / "outside.txt").write_text("o\n")
+    return cwd
+
+
+def real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def refused(cwd: Path, relative: str, allowed=None) -> PathOutsideWorkspace:
+    with pytest.raises(PathOutsideWorkspace) as caught:
+        resolve_in_jail(str(cwd), relative, allowed)
+    assert caught.value.code == PATH_OUTSIDE_WORKSPACE
+    assert isinstance(caught.value, ToolFailure)
+    return caught.value
+
+
+def test_a_relative_path_resolves_inside_cwd(workspace):
+    assert resolve_in_jail(str(workspace), "src/a.py", None) == real(workspace / "src" / "a.py")
+
+
+def test_a_new_file_resolves_to_where_it_will_be_created(workspace):
+    assert resolve_in_jail(str(workspace), "src/new/deep/f.py", None) == real(
+        workspace / "src" / "new" / "deep" / "f.py"
+    )
+
+
+def test_dot_dot_that_stays_inside_is_fine(workspace):
+    assert resolve_in_jail(str(workspace), "src/../README", None) == real(workspace / "README")
+
+
+@pytest.mark.parametrize(
+    "relative", ["..", "../other/secret.txt", "src/../../other/x", "../../outside.txt"]
+)
+def test_dot_dot_out_of_cwd_is_refused(workspace, relative):
+    # "../other/…" stays in the workspace root but leaves agent.cwd: still refused.
+    refused(workspace, relative)
+
+
+def test_dot_dot_after_a_missing_directory_is_refused(workspace):
+    # The kernel cannot walk ".." out of a directory that does not exist; neither do we.
+    refused(workspace, "missing/../README")
+
+
+def test_an_absolute_path_outside_is_refused(workspace, tmp_path):
+    refused(workspace, str(tmp_path / "outside.txt"))
+    refused(workspace, "/etc/passwd")
+
+
+def test_an_absolute_path_inside_cwd_is_accepted(workspace):
+    inside = str(workspace / "src" / "a.py")
+    assert resolve_in_jail(str(workspace), inside, None) == real(workspace / "src" / "a.py")
+
+
+def test_a_symlink_pointing_out_is_refused(workspace, tmp_path):
+    (workspace / "link.txt").symlink_to(tmp_path / "outside.txt")
+    refused(workspace, "link.txt")
+
+
+def test_a_dangling_symlink_pointing_out_is_refused(workspace, tmp_path):
+    (workspace / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    refused(workspace, "dangling")
+
+
+def test_a_symlink_pointing_inside_resolves_to_its_target(workspace):
+    (workspace / "alias.py").symlink_to(workspace / "src" / "a.py")
+    assert resolve_in_jail(str(workspace), "alias.py", None) == real(workspace / "src" / "a.py")
+
+
+def test_a_symlinked_parent_pointing_out_is_refused(workspace):
+    (workspace / "linkdir").symlink_to(workspace.parent / "other")
+    refused(workspace, "linkdir/secret.txt")
+
+
+def test_a_new_file_whose_parent_is_a_symlink_out_is_refused(workspace):
+    (workspace / "linkdir").symlink_to(workspace.parent / "other")
+    refused(workspace, "linkdir/new.txt")
+    refused(workspace, "linkdir/newdir/new.txt")
+    assert not (workspace.parent / "other" / "new.txt").exists()
+
+
+def test_a_symlinked_cwd_is_judged_by_its_real_path(workspace, tmp_path):
+    alias = tmp_path / "cwd-alias"
+    alias.symlink_to(workspace)
+    assert resolve_in_jail(str(alias), "src/a.py", None) == real(workspace / "src" / "a.py")
+    refused(alias, "../other/secret.txt")
+
+
+def test_cwd_itself_is_inside_the_jail(workspace):
+    # Returned (the shell tool runs there); the file tools refuse it as a directory.
+    assert resolve_in_jail(str(workspace), ".", None) == real(workspace)
+    assert resolve_in_jail(str(workspace), "src/..", None) == real(workspace)
+
+
+def test_allowed_paths_admit_whole_components_only(workspace):
+    allowed = ["src"]
+    assert resolve_in_jail(str(workspace), "src/a.py", allowed) == real(workspace / "src" / "a.py")
+    assert resolve_in_jail(str(workspace), "src", allowed) == real(workspace / "src")
+    refused(workspace, "srcx/b.py", allowed)
+    refused(workspace, "srcx", allowed)
+    refused(workspace, "README", allowed)
+    refused(workspace, ".", allowed)
+
+
+def test_a_new_file_under_an_allowed_directory_is_fine(workspace):
+    expected = real(workspace / "src") / "pkg" / "new.py"
+    assert resolve_in_jail(str(workspace), "src/pkg/new.py", ["docs", "src"]) == expected
+
+
+def test_allowed_paths_may_name_a_file_or_a_nested_directory(workspace):
+    assert resolve_in_jail(str(workspace), "README", ["README"]) == real(workspace / "README")
+    assert resolve_in_jail(str(workspace), "src/a.py", ["src/a.py"]) == real(workspace / "src/a.py")
+    refused(workspace, "src/a.pyc", ["src/a.py"])
+
+
+def test_none_admits_all_of_cwd_and_an_empty_list_admits_nothing(workspace):
+    assert resolve_in_jail(str(workspace), "srcx/b.py", None) == real(workspace / "srcx" / "b.py")
+    refused(workspace, "src/a.py", [])
+
+
+def test_an_allowed_path_cannot_widen_the_jail(workspace):
+    refused(workspace, "../other/secret.txt", ["../other"])
+
+
+def test_a_symlink_from_an_allowed_directory_to_another_is_refused(workspace):
+    (workspace / "src" / "to-srcx").symlink_to(workspace / "srcx" / "b.py")
+    refused(workspace, "src/to-srcx", ["src"])
+
+
+@pytest.mark.parametrize("relative", ["", "src/\x00a.py"])
+def test_an_empty_path_or_a_nul_byte_is_invalid(workspace, relative):
+    with pytest.raises(ToolFailure) as caught:
+        resolve_in_jail(str(workspace), relative, None)
+    assert caught.value.code == INVALID_PARAMETERS
+
+
+def test_a_symlink_loop_is_invalid(workspace):
+    (workspace / "loop1").symlink_to(workspace / "loop2")
+    (workspace / "loop2").symlink_to(workspace / "loop1")
+    with pytest.raises(ToolFailure) as caught:
+        resolve_in_jail(str(workspace), "loop1/x", None)
+    assert caught.value.code == INVALID_PARAMETERS and "loop" in caught.value.message
+
+
+def test_the_error_object_validates_as_a_tool_error(workspace):
+    from protocol.frames import ToolError
+
+    failure = refused(workspace, "../x")
+    error = ToolError.model_validate(failure.to_error())
+    assert error.code == PATH_OUTSIDE_WORKSPACE and error.message == failure.message
