@@ -290,6 +290,7 @@ class ControlSession:
         self.ws = ws
         self.generation = generation
         self.attempt_id = attempt_id
+        self.keys: dict[str, str] = {}  # call_id → idempotency key of the calls sent here
 
     async def send(self, kind: str, body: dict, *, generation: int | None = None) -> None:
         frame = {
@@ -342,6 +343,8 @@ class ControlSession:
         if idempotency_key is not None:
             body["idempotency_key"] = idempotency_key
         await self.send("tool.call", body)
+        if idempotency_key is not None:
+            self.keys[call_id] = idempotency_key
         return call_id
 
     async def receive_until(self, predicate, timeout: float = 10.0) -> dict:
@@ -354,21 +357,38 @@ class ControlSession:
 
     async def result(self, call_id: str, timeout: float = 10.0) -> dict:
         """The outcome of a call: its tool.result body, or the original one carried by a
-        tool.replayed. A tool.pending is waited through."""
-        results = self.client.state.results()
-        if call_id in results:
-            return results[call_id]
-        frame = await self.receive_until(
-            lambda f: (f.get("kind") == "tool.result" and f["body"]["call_id"] == call_id)
-            or (f.get("kind") == "tool.replayed" and f["body"]["call_id"] == call_id)
-            or (f.get("kind") == "error" and f["body"].get("call_id") == call_id),
-            timeout,
-        )
-        if frame["kind"] == "tool.replayed":
-            return frame["body"]["original"]["body"]
-        if frame["kind"] == "error":
-            raise AssertionError(f"error frame for call {call_id}: {frame['body']}")
-        return frame["body"]
+        tool.replayed. After a tool.pending the result of the first execution (same
+        idempotency key, the first call's call_id) is awaited."""
+        key = self.keys.get(call_id)
+        pending = False  # set by a tool.pending: then the first execution's result answers
+
+        def stored() -> dict | None:
+            results = self.client.state.results()
+            if call_id in results:
+                return results[call_id]
+            if pending:
+                for body in results.values():
+                    if body.get("idempotency_key") == key:
+                        return body
+            return None
+
+        found = stored()
+        if found is not None:
+            return found
+        with trio.fail_after(timeout):
+            while True:
+                frame = await self.receive(timeout=timeout)
+                kind, body = frame.get("kind"), frame.get("body", {})
+                if kind == "tool.replayed" and body.get("call_id") == call_id:
+                    return body["original"]["body"]
+                if kind == "tool.pending" and body.get("call_id") == call_id:
+                    pending = True
+                if kind == "error" and body.get("call_id") == call_id:
+                    raise AssertionError(f"error frame for call {call_id}: {body}")
+                if kind in ("tool.result", "tool.pending"):
+                    found = stored()
+                    if found is not None:
+                        return found
 
     async def call_and_wait(self, tool_name: str, parameters: dict, **kwargs: Any) -> dict:
         call_id = await self.call(tool_name, parameters, **kwargs)
