@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from protocol import authority, bootstrap, frames, tools
+from protocol import authority, bootstrap, frames, onboarding, tools
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "schemas"
@@ -56,6 +56,8 @@ EXPORTED: dict[str, Any] = {
     # session.bootstrap body, assertion claims
     "BootstrapBody": bootstrap.BootstrapBody,
     "AssertionClaims": authority.AssertionClaims,
+    # template onboarding record (kept by the service that owns the template)
+    "TemplateOnboarding": onboarding.TemplateOnboarding,
 }
 
 

@@ -7,11 +7,12 @@ one for signals); `Supervisor` holds the state the connections share and impleme
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +26,8 @@ from protocol.authority import AuthorityError, JwksError, VerifierSettings, veri
 from protocol.bootstrap import BootstrapBody, bootstrap_digest
 from protocol.frames import (
     BootstrapRejectedFrame,
+    ExecOutputPageFrame,
+    ExecSignalFrame,
     FrameError,
     RuntimeStateFrame,
     SessionBootstrapFrame,
@@ -38,12 +41,16 @@ from supervisor.gate import Admit, GateState, Lifecycle, Refuse, decide_upgrade,
 from supervisor.identity import SandboxIdentity
 from supervisor.keyring import KeyRing
 from supervisor.logs import configure_logging, safe_log
-from supervisor.notify import SystemdNotifier
+from supervisor.activation import ActivationError, open_daemon_listeners
+from supervisor.metrics import UPGRADE_ACCEPTED, SupervisorMetrics
+from supervisor.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from supervisor.journal import Journal
 from supervisor.runtime.calls import CallRunner, error_frame
 from supervisor.runtime.handler import RuntimeHandler
+from supervisor.runtime.recovery import recover_pending_calls
 from supervisor.runtime.sender import SocketSender
-from supervisor.server import BoundListeners, open_listeners, remove_unix_paths, serve
+from supervisor.runtime.shell import ShellRuntime, ShellSettings
+from supervisor.server import BoundListeners, remove_unix_paths, serve
 from supervisor.sessions import Connection, SessionHub
 from supervisor.store import StateStore, StoreError
 
@@ -56,6 +63,9 @@ EXIT_TERMINATED = 78  # the unit's RestartPreventExitStatus: a terminated sandbo
 
 LISTENING_FILE = "listening.json"
 CLOSE_HANDSHAKE_TIMEOUT_S = 1.0
+# After the process groups are gone, how long the stop waits for their calls to journal
+# exec.completed + tool.result (the completion grace is 200 ms).
+STOP_COMPLETION_BUDGET_S = 1.0
 
 
 def supervisor_version() -> str:
@@ -95,10 +105,12 @@ class Supervisor:
         self.hub = SessionHub()
         self.journal = Journal(store)
         self.calls: CallRunner | None = None  # set once the daemon's call nursery is open
+        self.shell: ShellRuntime | None = None  # likewise
         binding = store.binding()
         self.session = BootstrapBody.model_validate_json(binding.body_json) if binding else None
         self.lifecycle = Lifecycle.TERMINATED if store.snapshot().terminated else Lifecycle.SERVING
         self.started_monotonic = time.monotonic()
+        self.admissions = 0
         self.stop_requested = trio.Event()
         self.stop: StopRequest | None = None
         ws = config.websocket
@@ -107,6 +119,13 @@ class Supervisor:
             health=ws.health_path,
             metrics=ws.metrics_path if ws.metrics_enabled else None,
         )
+        # Named telemetry, not metrics: `metrics()` is the route. None while disabled, so the
+        # hot paths pay one attribute check.
+        self.telemetry = SupervisorMetrics() if ws.metrics_enabled else None
+        if self.telemetry is not None:
+            self.telemetry.observe_journal(
+                lambda: store.snapshot().local_event_max, lambda: store.snapshot().ack_floor
+            )
         self.handshake_timeout_s = ws.handshake_timeout_s
         self.max_message_bytes = ws.max_message_bytes
         self.verifier_settings = VerifierSettings(
@@ -155,11 +174,23 @@ class Supervisor:
         return (200 if self.lifecycle is Lifecycle.SERVING else 503), http_front.json_body(body)
 
     async def exec_frame(self, frame, reply) -> None:
-        """exec.signal / exec.read_output: no shell command has been run by this runtime."""
-        await reply(error_frame(errors.UNKNOWN_CALL, "No such command call.", frame.body.call_id))
+        """exec.signal and exec.read_output (PROTOCOL 6.2)."""
+        body = frame.body
+        if isinstance(frame, ExecSignalFrame):
+            code = self.shell.signal_command(body.call_id, body.signal)
+            if code is not None:
+                message = "No such command call." if code == errors.UNKNOWN_CALL else "The command has finished."
+                await reply(error_frame(code, message, body.call_id))
+            return
+        page = self.shell.read_output(body.call_id, body.stream, body.offset, body.length)
+        if page is None:
+            await reply(error_frame(errors.UNKNOWN_CALL, "No such command call.", body.call_id))
+            return
+        await reply(encode_frame(ExecOutputPageFrame.model_validate({"kind": "exec.output_page", "body": page})))
 
     def metrics(self) -> tuple[int, bytes]:
-        return 404, http_front.json_body({"error": errors.NOT_FOUND_ROUTE})
+        assert self.telemetry is not None  # the route exists only while metrics are enabled
+        return 200, self.telemetry.render()
 
     # --- the gate ----------------------------------------------------------------------
 
@@ -190,6 +221,8 @@ class Supervisor:
                     jti_expires_at=decision.claims.exp + self.verifier_settings.leeway_s,
                     now=now,
                 )
+                self.admissions += 1
+                decision = dataclasses.replace(decision, admission=self.admissions)
         except StoreError as exc:
             decision = refuse(errors.STATE_UNAVAILABLE, f"store: {type(exc).__name__}")
         self._log_decision(decision)
@@ -213,6 +246,8 @@ class Supervisor:
             if headers is not None
             else {}
         )
+        if self.telemetry is not None:
+            self.telemetry.upgrade(UPGRADE_ACCEPTED if isinstance(decision, Admit) else decision.code)
         if isinstance(decision, Admit):
             safe_log(log, "upgrade.accepted", **ids)
         else:
@@ -228,7 +263,9 @@ class Supervisor:
     # --- a control socket --------------------------------------------------------------
 
     async def run_socket(self, ws: trio_websocket.WebSocketConnection, admit: Admit) -> None:
-        conn = Connection(ws, admit.headers, admit.claims, last_inbound=trio.current_time())
+        conn = Connection(
+            ws, admit.headers, admit.claims, admission=admit.admission, last_inbound=trio.current_time()
+        )
         self.hub.admit(conn)
         bound_log = log.bind(
             session_id=conn.headers.session_id,
@@ -293,6 +330,11 @@ class Supervisor:
         conn.last_inbound = trio.current_time()
         if isinstance(message, bytes):
             conn.request_close(sessions.CLOSE_UNSUPPORTED_DATA, sessions.BINARY_REASON)
+            return None
+        # trio-websocket measures a text message in characters; the limit is in bytes. Only
+        # a message that could exceed it (up to 4 bytes a character) is encoded to count.
+        if len(message) * 4 > self.max_message_bytes and len(message.encode("utf-8")) > self.max_message_bytes:
+            conn.request_close(sessions.CLOSE_MESSAGE_TOO_BIG, sessions.TOO_BIG_REASON)
             return None
         return message
 
@@ -462,7 +504,7 @@ async def run_supervisor(
     config: SupervisorConfig,
     *,
     handle_signals: bool = True,
-    env: Mapping[str, str] = os.environ,
+    env: MutableMapping[str, str] = os.environ,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> int:
     """Run until stopped; return the exit status. `task_status.started` gets the Supervisor
@@ -476,14 +518,15 @@ async def run_supervisor(
             return EXIT_TERMINATED
         # Calls a previous instance left pending are completed before anyone can connect, so
         # a reconnecting client finds exactly one result for each of them.
-        from supervisor.runtime.file_tools import recover_pending_calls
-
-        recovered = recover_pending_calls(store)
+        recovered = recover_pending_calls(store, config.paths.state_dir)
         if recovered:
             log.warning("calls.recovered", count=recovered)
         identity = SandboxIdentity(config.paths.sandbox_id_file, env)
         sup = Supervisor(config, store, keyring, identity, notifier)
-        bound = await open_listeners(config.listen.tcp, config.listen.unix)
+        try:
+            bound, owned_unix = await open_daemon_listeners(config.listen.tcp, config.listen.unix, env)
+        except ActivationError as exc:
+            raise StartupError(str(exc)) from None
         try:
             write_listening_file(config.paths.state_dir, bound)
             async with trio.open_nursery() as nursery:
@@ -495,12 +538,18 @@ async def run_supervisor(
                 await nursery.start(serve, bound.listeners, sup, config.websocket.max_handshakes)
                 log.info("supervisor.ready", tcp=bound.tcp, unix=bound.unix, version=sup.version)
                 notifier.notify("READY=1", "STATUS=serving")
+                interval = watchdog_interval_s(env)
+                if interval is not None:
+                    # Runs on the trio loop: a wedged loop stops the pings, and systemd
+                    # restarts the daemon, which is what the watchdog is for.
+                    nursery.start_soon(send_watchdog_pings, notifier, interval)
                 task_status.started((sup, bound))
                 await sup.stop_requested.wait()
                 await _drain(sup)
                 nursery.cancel_scope.cancel()
         finally:
-            remove_unix_paths(bound.unix)
+            # Only paths the daemon created: an inherited socket belongs to its socket unit.
+            remove_unix_paths(owned_unix)
         assert sup.stop is not None
         log.info("supervisor.stopped", exit_code=sup.stop.exit_code, reason=sup.stop.reason)
         return sup.stop.exit_code
@@ -511,16 +560,27 @@ async def run_supervisor(
 def build_call_runner(sup: Supervisor, nursery: trio.Nursery) -> CallRunner:
     from supervisor.runtime import file_tools
 
-    runner = CallRunner(sup.store, sup.journal, nursery)
+    runner = CallRunner(sup.store, sup.journal, nursery, telemetry=sup.telemetry)
     file_tools.register(runner)
+    sup.shell = ShellRuntime(
+        ShellSettings.from_config(sup.config), sup.store, sup.journal, nursery, telemetry=sup.telemetry
+    )
+    runner.register("execute_shell_command", sup.shell.execute)
     return runner
 
 
 async def _drain(sup: Supervisor) -> None:
-    """Refuse new upgrades, close every socket with 1001, give them the drain budget."""
+    """Refuse new upgrades; end running commands (SIGTERM, SIGKILL after the grace) so their
+    completions are journaled; then close every socket with 1001 within the drain budget."""
     if sup.lifecycle is Lifecycle.SERVING:
         sup.lifecycle = Lifecycle.DRAINING
         sup.notifier.notify("STOPPING=1", "STATUS=draining")
+    if sup.shell is not None:
+        await sup.shell.stop_all()
+        # The calls' own tasks journal exec.completed and tool.result once the shells
+        # have exited; give them a moment beyond the completion grace.
+        with trio.move_on_after(STOP_COMPLETION_BUDGET_S):
+            await sup.shell.wait_calls_completed()
     sup.hub.close_all(sessions.CLOSE_GOING_AWAY, sessions.STOPPING_REASON)
     with trio.move_on_after(sup.config.websocket.drain_budget_s):
         await sup.hub.wait_all_closed()

@@ -86,9 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     mint.add_argument("--lifetime", type=int, metavar="S", help="seconds from iat to exp")
     mint.set_defaults(handler=_cmd_keys_mint)
 
-    onboard = commands.add_parser("onboard-template", help="template onboarding record")
-    onboard.add_argument("--store", type=Path, metavar="FILE", help="upsert the record here")
-    onboard.add_argument("rest", nargs=argparse.REMAINDER)
+    onboard = commands.add_parser(
+        "onboard-template",
+        help="print (and with --store upsert) the template onboarding record",
+        description="Compute the hashes of the installed supervisor, take the rest from the "
+        "flags, validate, print the record as JSON; every problem is printed (exit 2).",
+    )
+    from supervisor.onboarding import add_arguments as add_onboarding_arguments
+
+    add_onboarding_arguments(onboard)
     onboard.set_defaults(handler=_cmd_onboard_template)
     return parser
 
@@ -215,5 +221,6 @@ def _cmd_keys_mint(args: argparse.Namespace) -> int:
 
 
 def _cmd_onboard_template(args: argparse.Namespace) -> int:
-    _error("onboard-template is not implemented yet")
-    return EXIT_BAD_CONFIG
+    from supervisor.onboarding import run
+
+    return run(args)

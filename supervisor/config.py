@@ -107,13 +107,6 @@ class ListenConfig(_Section):
                 raise ValueError("a unix socket path must be non-empty and contain no NUL")
         return value
 
-    @model_validator(mode="after")
-    def _check_any(self) -> ListenConfig:
-        # A daemon that listens nowhere can never be driven; refuse it at configuration time.
-        if not self.tcp and not self.unix:
-            raise ValueError("at least one tcp or unix listener is required")
-        return self
-
 
 class PathsConfig(_Section):
     state_dir: LaxPath = Path("/var/lib/sandbox-supervisor")
@@ -178,7 +171,8 @@ class ExecConfig(_Section):
     max_processes: PositiveInt = 16
     kill_grace_ms: PositiveInt = 2000
     output_throttle_ms: PositiveInt = 150
-    output_max_chunk_bytes: PositiveInt = 4096
+    # At least one whole UTF-8 character (4 bytes): events never split a character.
+    output_max_chunk_bytes: int = Field(default=4096, ge=4)
     output_buffer_bytes: PositiveInt = 65536
     spool_max_bytes: PositiveInt = 64 * 1024 * 1024
     base_env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_BASE_ENV))

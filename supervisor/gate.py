@@ -37,6 +37,9 @@ class GateState:
 class Admit:
     headers: RoutingHeaders
     claims: AssertionClaims
+    # Order of admission (the fence's order): handshakes finish in any order, and a socket
+    # admitted earlier must never supersede one admitted later.
+    admission: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ class RequestHead:
     method: bytes
     path: str  # the target without its query string
     headers: list[tuple[bytes, bytes]]  # lower-cased names, as h11 gives them
+    http_version: bytes = b"1.1"
 
 
 class HeadTooLarge(Exception):
@@ -94,6 +95,7 @@ class HeadReader:
             method=event.method,
             path=target.decode("ascii", errors="replace"),
             headers=[(name.lower(), value) for name, value in event.headers],
+            http_version=event.http_version,
         )
 
     @property
@@ -123,16 +125,53 @@ def is_websocket_upgrade(head: RequestHead) -> bool:
     return b"websocket" in _tokens(_header_values(head, b"upgrade"))
 
 
+def _ascii(value: bytes) -> bool:
+    return value.isascii()
+
+
+def _idna(value: bytes) -> bool:
+    try:
+        value.decode("idna")
+    except UnicodeError:
+        return False
+    return True
+
+
 def is_valid_websocket_handshake(head: RequestHead) -> bool:
-    """Everything wsproto will insist on, checked first so it never writes its own bare 400."""
-    keys = _header_values(head, b"sec-websocket-key")
+    """Everything wsproto will insist on (and every header it decodes), checked first.
+
+    The fence is recorded before the handshake is handed to wsproto, so a request wsproto
+    would refuse (with its own bare 400) must never get that far: such a refusal would have
+    moved the fence for nothing.
+    """
+    def single(name: bytes) -> bytes | None:
+        values = _header_values(head, name)
+        return values[0] if len(values) == 1 else None
+
+    host = single(b"host")
+    upgrade = single(b"upgrade")
+    connection = single(b"connection")
+    key = single(b"sec-websocket-key")
+    decoded = [
+        value
+        for name in (b"sec-websocket-extensions", b"sec-websocket-protocol")
+        for value in _header_values(head, name)
+    ]
     return (
         head.method == b"GET"
-        and b"upgrade" in _tokens(_header_values(head, b"connection"))
-        and is_websocket_upgrade(head)
-        and _header_values(head, b"sec-websocket-version") == [WEBSOCKET_VERSION]
-        and len(keys) == 1
-        and bool(keys[0].strip())
+        and head.http_version == b"1.1"
+        and host is not None
+        and _idna(host)
+        and upgrade is not None
+        and upgrade.strip().lower() == b"websocket"
+        and connection is not None
+        and _ascii(connection)
+        and b"upgrade" in _tokens([connection])
+        and single(b"sec-websocket-version") == WEBSOCKET_VERSION
+        and key is not None
+        and _ascii(key)
+        and bool(key.strip())
+        and all(_ascii(value) for value in decoded)
     )
 
 

@@ -36,6 +36,7 @@ RECEIPT_NOT_OBSERVED_REASON = "Supervisor rejection receipt was not observed."
 REJECTION_RECEIPT_REASON = "bootstrap rejection received"
 SEND_FAILED_REASON = "Supervisor could not send a frame."
 INTERNAL_REASON = "Supervisor internal error."
+TOO_BIG_REASON = "Message is larger than the limit."
 
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is ≤ 125 bytes, 2 are the code
 
@@ -59,6 +60,7 @@ class Connection:
     headers: RoutingHeaders
     claims: AssertionClaims
     id: int = field(default_factory=lambda: next(_ids))
+    admission: int = 0  # the gate's admission order (see Admit.admission)
     attached: bool = False  # the runtime handler is reading this socket's frames
     close_request: tuple[int, str] | None = None
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
@@ -89,12 +91,18 @@ class SessionHub:
         self._all_closed.set()
 
     def admit(self, conn: Connection) -> Connection | None:
-        """Make `conn` authoritative; detach and ask the previous one to close (1008)."""
+        """Make `conn` authoritative; detach and ask the previous one to close (1008).
+
+        A connection admitted *before* the current authoritative one (its handshake simply
+        finished later) is already superseded: it is closed instead."""
         previous = self.authoritative
-        self.authoritative = conn
         self.open.add(conn)
         if self._all_closed.is_set():
             self._all_closed = trio.Event()
+        if previous is not None and previous.admission > conn.admission:
+            conn.request_close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON)
+            return previous
+        self.authoritative = conn
         if previous is not None and previous is not conn:
             previous.request_close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON)
         self.changed.set()

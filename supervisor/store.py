@@ -67,6 +67,14 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             intent_json TEXT,
             created_at REAL NOT NULL,
             completed_at REAL)""",
+        # Process groups started for shell commands, kept until the group is gone, so that
+        # a restarted daemon can kill what a crashed one left behind (PROTOCOL 10).
+        """CREATE TABLE processes (
+            call_id TEXT PRIMARY KEY,
+            pid INTEGER NOT NULL,
+            pgid INTEGER NOT NULL,
+            start_ticks INTEGER NOT NULL,
+            recorded_at REAL NOT NULL)""",
         "CREATE INDEX idempotency_pending ON idempotency (state) WHERE state = 'pending'",
     ),
 )
@@ -475,6 +483,27 @@ class StateStore:
                 " ORDER BY created_at, key"
             ).fetchall()
         return [CallRecord(*row) for row in rows]
+
+    # -- process groups --------------------------------------------------------------------
+
+    def record_process(self, call_id: str, pid: int, pgid: int, start_ticks: int) -> None:
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO processes (call_id, pid, pgid, start_ticks, recorded_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (call_id, pid, pgid, start_ticks, time.time()),
+            )
+
+    def forget_process(self, call_id: str) -> None:
+        with self._transaction() as conn:
+            conn.execute("DELETE FROM processes WHERE call_id = ?", (call_id,))
+
+    def recorded_processes(self) -> list[tuple[str, int, int, int]]:
+        """(call_id, pid, pgid, start_ticks) of every group not yet known to be gone."""
+        with self._transaction(write=False) as conn:
+            return conn.execute(
+                "SELECT call_id, pid, pgid, start_ticks FROM processes ORDER BY recorded_at"
+            ).fetchall()
 
     # -- helpers usable inside one _transaction() ------------------------------------------
 

@@ -30,6 +30,7 @@ RECEIVE_BUFFER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (replays, pages)
 REJECTION_RECEIPT_CODE = 4400
 REJECTION_RECEIPT_REASON = "bootstrap rejection received"
+FRAME_ERRORS = ("invalid_frame", "unknown_kind", "generation_mismatch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,7 +384,9 @@ class ControlSession:
                     return body["original"]["body"]
                 if kind == "tool.pending" and body.get("call_id") == call_id:
                     pending = True
-                if kind == "error" and body.get("call_id") == call_id:
+                # An error about the tool.call frame itself (exec.* frames for the same call
+                # get their own errors, such as not_running, which do not end the wait).
+                if kind == "error" and body.get("call_id") == call_id and body.get("code") in FRAME_ERRORS:
                     raise AssertionError(f"error frame for call {call_id}: {body}")
                 if kind in ("tool.result", "tool.pending"):
                     found = stored()

@@ -273,11 +273,15 @@ def test_demo_dispatches_to_demo_main(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["demo"]) == 0
 
 
-def test_onboard_template_is_not_implemented_and_exits_2(
-    capsys: pytest.CaptureFixture[str],
+def test_onboard_template_without_its_flags_exits_2_and_stores_nothing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    assert cli.main(["onboard-template", "--store", "/tmp/x"]) == 2
-    assert "not implemented" in capsys.readouterr().err
+    store = tmp_path / "store.json"
+    assert cli.main(["onboard-template", "--store", str(store)]) == 2
+    err = capsys.readouterr().err
+    for flag in ("--service", "--profile-version", "--template-id"):
+        assert f"{flag}: required" in err
+    assert not store.exists()
 
 
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:

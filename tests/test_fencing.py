@@ -152,3 +152,25 @@ async def test_reconnect_storm_leaves_one_authoritative_socket(daemon):
             await previous_done.wait()
     assert sorted(g for g, _ in reasons) == list(range(1, 21))
     assert all((r.code, r.reason) == SUPERSEDED for _, r in reasons)
+
+
+def test_connection_admitted_earlier_never_supersedes_a_later_one():
+    """Handshakes finish in any order: the socket whose upgrade was admitted later stays
+    authoritative even if the earlier one's 101 completes after it."""
+    from types import SimpleNamespace
+
+    from supervisor.sessions import Connection, SessionHub
+
+    def conn(admission, generation):
+        headers = SimpleNamespace(generation=generation)
+        return Connection(ws=None, headers=headers, claims=None, admission=admission)
+
+    hub = SessionHub()
+    later, earlier = conn(2, 6), conn(1, 5)
+    hub.admit(later)
+    hub.admit(earlier)
+    assert hub.authoritative is later
+    assert earlier.close_request == SUPERSEDED and later.close_request is None
+    newest = conn(3, 7)
+    hub.admit(newest)
+    assert hub.authoritative is newest and later.close_request == SUPERSEDED

@@ -261,3 +261,59 @@ async def test_sigterm_closes_sockets_1001_and_exits_0(tmp_path, authority):
     assert await process.wait(timeout=5) == 0
     assert trio.current_time() - started < 3
     assert not layout.unix_socket.exists()
+
+
+# --- handshakes wsproto would refuse never move the fence ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda h: [(k, "websocket, h2c" if k == "upgrade" else v) for k, v in h],
+        lambda h: h + [("connection", "keep-alive")],
+        lambda h: [(k, v) for k, v in h if k != "sec-websocket-key"],
+        lambda h: [(k, "12" if k == "sec-websocket-version" else v) for k, v in h],
+    ],
+    ids=["upgrade-list", "two-connection-headers", "no-key", "version-12"],
+)
+async def test_malformed_handshake_is_426_and_records_nothing(daemon, mutate):
+    client = daemon.client()
+    routing = client.routing_headers(
+        generation=1, attempt_id="a-1", ack_floor=0, assertion=client.mint(generation=1, attempt_id="a-1", ack_floor=0)
+    )
+    handshake = [
+        ("upgrade", "websocket"),
+        ("connection", "Upgrade"),
+        ("sec-websocket-key", base64.b64encode(os.urandom(16)).decode()),
+        ("sec-websocket-version", "13"),
+    ]
+    response = await http_request(daemon.tcp, "GET", "/v1/control", mutate(handshake) + routing)
+    assert response.status == 426
+    assert daemon.supervisor.store.snapshot().fence_generation == 0
+
+
+async def test_http_1_0_upgrade_is_refused_before_the_gate(daemon):
+    stream = await daemon.tcp.open_stream()
+    await stream.send_all(
+        b"GET /v1/control HTTP/1.0\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+        b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+    )
+    data = b""
+    with trio.fail_after(3):
+        while True:
+            chunk = await stream.receive_some(4096)
+            if not chunk:
+                break
+            data += chunk
+    await stream.aclose()
+    assert data.startswith(b"HTTP/1.1 426")
+    assert daemon.supervisor.store.snapshot().fence_generation == 0
+
+
+async def test_message_limit_counts_bytes_not_characters(daemon):
+    async with daemon.client().connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        # 44,000 three-byte characters: under the limit in characters, over it in bytes.
+        await session.ws.send_message("€" * 44000)
+        reason = await session.closed_reason()
+    assert reason.code == 1009

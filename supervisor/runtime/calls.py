@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 import json
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -63,6 +63,9 @@ class CallContext:
 class RunningCall:
     call: ToolCall
     context: CallContext
+    # Events a tool wants journaled in the same transaction as its tool.result (a shell
+    # command's last output and its exec.completed), so a crash cannot split them.
+    final_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     @property
     def key(self) -> str | None:
@@ -121,8 +124,9 @@ def error_frame(code: str, message: str, call_id: str | None = None) -> str:
 class CallRunner:
     """Accepts tool calls from attached sockets and runs them in the session's nursery."""
 
-    def __init__(self, store: StateStore, journal: Journal, nursery: trio.Nursery) -> None:
+    def __init__(self, store: StateStore, journal: Journal, nursery: trio.Nursery, telemetry=None) -> None:
         self.store = store
+        self.telemetry = telemetry
         self.journal = journal
         self.nursery = nursery
         self.tools: dict[str, ToolFunction] = {}
@@ -133,8 +137,14 @@ class CallRunner:
     def register(self, tool_name: str, function: ToolFunction) -> None:
         self.tools[tool_name] = function
 
-    def journal_result(self, key: str | None, body: dict[str, Any]) -> None:
-        self.journal.complete_call(key, body)
+    def journal_result(
+        self, key: str | None, body: dict[str, Any], preceding: Sequence[tuple[str, dict[str, Any]]] = ()
+    ) -> None:
+        self.journal.complete_call(key, body, preceding)
+        if self.telemetry is not None:
+            # Unknown tool names are folded into one label: the series count stays bounded.
+            tool = body["tool_name"] if body["tool_name"] in TOOL_SCOPES else "unknown"
+            self.telemetry.tool_call(tool, "success" if body["ok"] else body["error"]["code"])
 
     async def submit(self, body: Any, context: CallContext, reply: Reply) -> None:
         """Validate and dispatch one `tool.call` body. Everything up to the pending record is
@@ -214,9 +224,8 @@ class CallRunner:
     async def _run(self, running: RunningCall) -> None:
         call = running.call
         started = time.monotonic()
-        function = self.tools[call.tool_name]
         try:
-            result = await function(running, self)
+            result = await self.tools[call.tool_name](running, self)
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except ToolFailure as failure:
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, error=failure_error(failure))
@@ -228,7 +237,13 @@ class CallRunner:
                 call.tool_name,
                 error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
             )
-        self.journal_result(call.idempotency_key, body)
+        try:
+            self.journal_result(call.idempotency_key, body, running.final_events)
+        except Exception:
+            # The record stays pending: the next start completes it (PROTOCOL 7.1). One
+            # call's failure to journal must not take the session's other calls down.
+            log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
+            return
         log.info(
             "tool.finished",
             call_id=call.call_id,

@@ -22,7 +22,7 @@ from supervisor.runtime.failures import ToolFailure
 from supervisor.runtime.files import read_file_result
 from supervisor.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
 from supervisor.runtime.paths import resolve_in_jail
-from supervisor.store import CallRecord, StateStore
+from supervisor.store import CallRecord
 
 # Hashing a file is the slow part of read_file; below this size it is cheaper to do it on
 # the trio thread than to pay for a worker-thread hop (~50-100 µs).
@@ -67,7 +67,7 @@ def register(runner: CallRunner) -> None:
 # --- crash recovery -------------------------------------------------------------------------
 
 
-def _interrupted(message: str, **details: Any) -> dict[str, Any]:
+def interrupted(message: str, **details: Any) -> dict[str, Any]:
     return {"code": errors.INTERRUPTED, "message": message, **details}
 
 
@@ -95,7 +95,7 @@ def recover_patch_call(record: CallRecord) -> dict[str, Any]:
                     record.call_id,
                     record.key,
                     record.tool_name,
-                    error=_interrupted(
+                    error=interrupted(
                         "The supervisor stopped while applying the patch, and the file has changed since.",
                         current_sha=now,
                     ),
@@ -105,22 +105,3 @@ def recover_patch_call(record: CallRecord) -> dict[str, Any]:
         return result_body(record.call_id, record.key, record.tool_name, result=plan.result())
     except ToolFailure as failure:
         return result_body(record.call_id, record.key, record.tool_name, error=failure_error(failure))
-
-
-def recover_pending_calls(store: StateStore) -> int:
-    """Complete every call a previous instance left pending; nothing runs twice. Returns the
-    number of calls completed. Shell commands are completed as interrupted (never re-run)."""
-    completed = 0
-    for record in store.pending_calls():
-        if record.tool_name == "apply_file_patch":
-            body = recover_patch_call(record)
-        else:
-            body = result_body(
-                record.call_id,
-                record.key,
-                record.tool_name,
-                error=_interrupted("The supervisor stopped before the call finished."),
-            )
-        store.complete_call(record.key, body)
-        completed += 1
-    return completed

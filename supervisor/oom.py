@@ -1,0 +1,62 @@
+"""OOM-killer preference: protect the daemon, not the agent's commands.
+
+The unit lowers the daemon's oom_score_adj (OOMScoreAdjust=, SUPERVISOR_OOM_SCORE_ADJ); every
+child inherits that value at fork, so without a correction a runaway test suite the agent
+started would be shielded too, and the kernel would kill something else first. Commands
+therefore raise their own value to COMMAND_OOM_SCORE_ADJ before they exec the agent's command,
+the way E2B's envd does for the processes it starts: set in the child, before exec, so no
+grandchild can be forked with the protected value in between.
+
+Raising one's own oom_score_adj needs no privilege. (Lowering it again down to the inherited
+minimum is also allowed, so this keeps accidents off the daemon; it is not a defence against
+an agent set on protecting its own processes.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# systemd/sandbox-supervisor.service OOMScoreAdjust= (a test keeps the two equal). Not -1000:
+# a daemon leaking memory itself must stay killable, and systemd restarts it.
+SUPERVISOR_OOM_SCORE_ADJ = -900
+# What E2B's envd gives the commands it starts: a command started through the supervisor and
+# one started through E2B's own API are equal candidates, both preferred over the sandbox's
+# services (0) and far more than the daemon.
+COMMAND_OOM_SCORE_ADJ = 100
+OOM_SCORE_ADJ_MIN = -1000
+OOM_SCORE_ADJ_MAX = 1000
+WRAPPER_SHELL = "/bin/sh"
+# $0 is the value; the rest is the command to exec. The write is best effort (a kernel without
+# the file, or a value the kernel refuses, must not stop the command), and the `exec` keeps the
+# pid, so the process (group) the daemon started is the command itself.
+_WRAPPER_SCRIPT = 'echo "$0" > /proc/self/oom_score_adj 2>/dev/null; exec "$@"'
+
+
+def with_oom_score_adj(argv: Sequence[str], value: int = COMMAND_OOM_SCORE_ADJ) -> list[str]:
+    """`argv` prefixed so that the process sets its oom_score_adj to `value`, then execs argv.
+
+    Costs one exec of /bin/sh (about a millisecond). The alternative without it, writing
+    /proc/<pid>/oom_score_adj from the daemon after spawn, leaves a window in which the
+    command can fork children that keep the daemon's protection.
+    """
+    if not OOM_SCORE_ADJ_MIN <= value <= OOM_SCORE_ADJ_MAX:
+        raise ValueError(f"oom_score_adj must be {OOM_SCORE_ADJ_MIN}..{OOM_SCORE_ADJ_MAX}")
+    if not argv:
+        raise ValueError("argv must name a program")
+    return [WRAPPER_SHELL, "-c", _WRAPPER_SCRIPT, str(value), *argv]
+
+
+def set_oom_score_adj(pid: int, value: int = COMMAND_OOM_SCORE_ADJ) -> bool:
+    """Write /proc/<pid>/oom_score_adj from outside (racy: see with_oom_score_adj). Best
+    effort: False when the process is gone or the kernel refused."""
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as handle:
+            handle.write(str(value))
+        return True
+    except OSError:
+        return False
+
+
+def read_oom_score_adj(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/oom_score_adj") as handle:
+        return int(handle.read().strip())

@@ -1,0 +1,104 @@
+"""Process-group facts from /proc, and the clean-up of groups a crashed daemon left behind.
+
+A pid alone is not an identity: after a crash and a restart the pid may belong to someone
+else. A process is "ours" when its start time (field 22 of /proc/PID/stat, in clock ticks
+since boot) equals the one recorded at spawn, or — for descendants of a shell that already
+exited — when it still sits in the session the shell created (sid == pgid == shell pid) and
+started no earlier than the shell did.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    pid: int
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    start_ticks: int
+
+
+def parse_stat(text: str) -> ProcStat | None:
+    """Parse /proc/PID/stat. The command name (field 2) may contain spaces and parentheses,
+    so fields are counted from the last ')'."""
+    head, sep, tail = text.rpartition(")")
+    if not sep:
+        return None
+    fields = tail.split()
+    try:
+        pid = int(head.split("(", 1)[0])
+        # tail starts at field 3 (state): index = field number - 3
+        return ProcStat(
+            pid=pid,
+            state=fields[0],
+            ppid=int(fields[1]),
+            pgrp=int(fields[2]),
+            session=int(fields[3]),
+            start_ticks=int(fields[19]),
+        )
+    except (ValueError, IndexError):
+        return None
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    try:
+        return parse_stat((PROC / str(pid) / "stat").read_text())
+    except OSError:
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    stat = read_stat(pid)
+    return stat.start_ticks if stat else None
+
+
+def group_members(pgid: int) -> list[ProcStat]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    members = []
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            stat = read_stat(int(entry.name))
+            if stat is not None and stat.pgrp == pgid and stat.state != "Z":
+                members.append(stat)
+    return members
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any non-zombie process remains in the group."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # killpg(…, 0) also succeeds for zombies that nobody has reaped yet: look closer.
+    return bool(group_members(pgid))
+
+
+def ours(stat: ProcStat, pgid: int, recorded_start: int) -> bool:
+    if stat.pid == pgid:
+        return stat.start_ticks == recorded_start
+    return stat.session == pgid and stat.pgrp == pgid and stat.start_ticks >= recorded_start
+
+
+def kill_leftover_group(pid: int, pgid: int, recorded_start: int) -> int:
+    """SIGKILL the processes of a group a previous instance started, if they are still the
+    same processes. Returns how many were killed."""
+    killed = 0
+    for stat in group_members(pgid):
+        if ours(stat, pgid, recorded_start):
+            try:
+                os.kill(stat.pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed

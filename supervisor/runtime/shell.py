@@ -1,0 +1,396 @@
+"""execute_shell_command: spawn, stream, spool, signal, time out, complete (PROTOCOL 7.3, 8).
+
+Each command runs in a new session and process group, so a signal or a kill reaches every
+descendant. Its stdout and stderr are each read by one task that writes every byte to the
+spool (lossless, on disk) and to a bounded live buffer; a flusher task turns the live
+buffers into throttled `exec.output` events. The readers and the flusher belong to the
+shell runtime's nursery, not to the call: output from background descendants keeps
+arriving (`after_exit: true`) after the call has completed.
+
+The policy decisions live in plain modules: `guard` (allowed_commands), `output` (the
+throttled live view), `spool` (the lossless record); this module is the trio shell.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from protocol import errors
+from protocol.tools import ExecuteShellCommandParams
+from supervisor.journal import Journal
+from supervisor.oom import COMMAND_OOM_SCORE_ADJ, set_oom_score_adj
+from supervisor.runtime import processes
+from supervisor.runtime.calls import CallRunner, RunningCall
+from supervisor.runtime.failures import ToolFailure
+from supervisor.runtime.guard import check_allowed
+from supervisor.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
+from supervisor.runtime.paths import resolve_in_jail
+from supervisor.runtime.spool import SpoolNotFound, SpoolWriter, read_range, spool_dir, stream_path
+from supervisor.store import StateStore
+
+log = structlog.get_logger("supervisor.shell")
+
+STREAMS = ("stdout", "stderr")
+READ_CHUNK_BYTES = 64 * 1024
+# After the shell exits, descendants it put in the background may still hold the pipes;
+# completion waits this long for them to close before it is reported (7.3).
+COMPLETION_GRACE_S = 0.2
+FALLBACK_SHELL = "/bin/sh"
+SIGNALS = {name: getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGKILL", "SIGHUP")}
+
+
+@dataclass(frozen=True, slots=True)
+class ShellSettings:
+    shell: str
+    max_processes: int
+    kill_grace_s: float
+    throttle_ms: float
+    max_chunk_bytes: int
+    buffer_bytes: int
+    spool_max_bytes: int
+    base_env: Mapping[str, str]
+    state_dir: Path
+
+    @classmethod
+    def from_config(cls, config) -> ShellSettings:
+        ex = config.exec
+        return cls(
+            shell=ex.shell,
+            max_processes=ex.max_processes,
+            kill_grace_s=ex.kill_grace_ms / 1000,
+            throttle_ms=ex.output_throttle_ms,
+            max_chunk_bytes=ex.output_max_chunk_bytes,
+            buffer_bytes=ex.output_buffer_bytes,
+            spool_max_bytes=ex.spool_max_bytes,
+            base_env=dict(ex.base_env),
+            state_dir=Path(config.paths.state_dir),
+        )
+
+
+def build_environment(base: Mapping[str, str], agent: Mapping[str, str], call: Mapping[str, str] | None) -> dict[str, str]:
+    """base_env, overridden by the bootstrap's agent.env, overridden by the call's env —
+    never the daemon's own environment (which may hold secrets)."""
+    env = dict(base)
+    env.update(agent)
+    env.update(call or {})
+    return env
+
+
+def choose_shell(configured: str) -> str:
+    return configured if os.access(configured, os.X_OK) else FALLBACK_SHELL
+
+
+def describe_exit(returncode: int) -> tuple[int | None, str | None]:
+    """(exit_code, signal name) from a Popen-style return code."""
+    if returncode < 0:
+        try:
+            return None, signal.Signals(-returncode).name
+        except ValueError:
+            return None, f"SIG{-returncode}"
+    return returncode, None
+
+
+def output_event(call_id: str, stream: str, chunk: OutputChunk) -> tuple[str, dict[str, Any]]:
+    return ("exec.output", chunk.event_body(call_id, stream))
+
+
+@dataclass(eq=False)
+class StreamState:
+    spool: SpoolWriter
+    live: LiveOutput
+    summary: StreamHeadTail
+    closed: bool = False
+
+    def summary_body(self) -> dict[str, Any]:
+        return self.summary.summary(truncated=self.spool.truncated)
+
+
+@dataclass(eq=False)
+class Command:
+    """One spawned command and the state its tasks share."""
+
+    call_id: str
+    process: trio.Process
+    pgid: int
+    streams: dict[str, StreamState]
+    started: float  # trio clock
+    shell_exited: bool = False
+    completed: bool = False  # exec.completed journaled (or about to be, in one transaction)
+    wake: trio.Event = field(default_factory=trio.Event)  # data, completion or close
+    streams_closed: trio.Event = field(default_factory=trio.Event)
+    finished: trio.Event = field(default_factory=trio.Event)  # readers and flusher done
+
+    def send_signal(self, signum: int) -> bool:
+        """Signal the whole group. False when no process of it is left."""
+        try:
+            os.killpg(self.pgid, signum)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+class ShellRuntime:
+    def __init__(
+        self, settings: ShellSettings, store: StateStore, journal: Journal, nursery: trio.Nursery, telemetry=None
+    ) -> None:
+        self.settings = settings
+        self.telemetry = telemetry
+        self.store = store
+        self.journal = journal
+        self.nursery = nursery
+        self.commands: dict[str, Command] = {}  # every command of this daemon's life, by call_id
+
+    @property
+    def running(self) -> int:
+        return sum(1 for command in self.commands.values() if not command.shell_exited)
+
+    # --- the tool ------------------------------------------------------------------------
+
+    async def execute(self, running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+        call = running.call
+        params = call.parameters
+        assert isinstance(params, ExecuteShellCommandParams)
+        ctx = running.context
+        # The cwd shares the file tools' jail (agent.cwd); allowed_paths limits what file
+        # tools touch, not where a command may stand.
+        cwd = resolve_in_jail(ctx.cwd, params.cwd or ".", None)
+        if not cwd.is_dir():
+            raise ToolFailure(errors.INVALID_PARAMETERS, "cwd is not a directory.")
+        if ctx.allowed_commands is not None:
+            check_allowed(params.command, ctx.allowed_commands)
+        if self.known_call(call.call_id):
+            # A call_id names one execution; its spool must never mix two commands' bytes.
+            raise ToolFailure(errors.INVALID_PARAMETERS, "This call_id was already used for a command.")
+        if self.running >= self.settings.max_processes:
+            raise ToolFailure(
+                errors.TOO_MANY_PROCESSES,
+                f"At most {self.settings.max_processes} commands may run at once.",
+            )
+        command = await self._spawn(call.call_id, params, cwd, ctx)
+        self.journal.append(
+            [
+                (
+                    "exec.started",
+                    {
+                        "call_id": call.call_id,
+                        "pid": command.process.pid,
+                        "pgid": command.pgid,
+                        "command": params.command,
+                        "cwd": str(cwd),
+                        "started_at": time.time(),
+                        "context": {
+                            "session_id": ctx.session_id,
+                            "generation": ctx.generation,
+                            "idempotency_key": call.idempotency_key,
+                        },
+                    },
+                )
+            ]
+        )
+        timed_out = await self._wait(command, params.timeout_ms / 1000)
+        # Descendants in the background may hold the pipes open: report once they close, or
+        # after the grace, whichever comes first; what they print later is after_exit.
+        with trio.move_on_after(COMPLETION_GRACE_S):
+            await command.streams_closed.wait()
+        exit_code, signame = describe_exit(command.process.returncode)
+        now_ms = trio.current_time() * 1000
+        for name, stream in command.streams.items():
+            for chunk in stream.live.flush(now_ms, final=True):
+                running.final_events.append(output_event(call.call_id, name, chunk))
+        result = {
+            "exit_code": exit_code,
+            "signal": signame,
+            "timed_out": timed_out,
+            "duration_ms": int((trio.current_time() - command.started) * 1000),
+            "stdout": command.streams["stdout"].summary_body(),
+            "stderr": command.streams["stderr"].summary_body(),
+        }
+        running.final_events.append(("exec.completed", {**result, "call_id": call.call_id, "interrupted": False}))
+        # From here on the flusher marks anything new as after_exit; the CallRunner journals
+        # final_events and the tool.result in one transaction right after we return.
+        command.completed = True
+        command.wake.set()
+        return result
+
+    async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx) -> Command:
+        env = build_environment(self.settings.base_env, ctx.agent_env, params.env)
+        streams = {
+            name: StreamState(
+                SpoolWriter(stream_path(self.settings.state_dir, call_id, name), self.settings.spool_max_bytes),
+                LiveOutput(self.settings.throttle_ms, self.settings.max_chunk_bytes, self.settings.buffer_bytes),
+                StreamHeadTail(),
+            )
+            for name in STREAMS
+        }
+        try:
+            process = await trio.lowlevel.open_process(
+                [choose_shell(self.settings.shell), "-c", params.command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=str(cwd),
+                env=env,
+                start_new_session=True,  # its own session and process group
+            )
+        except OSError as exc:
+            for stream in streams.values():
+                stream.spool.close()
+            raise ToolFailure(errors.INTERNAL, f"The command could not be started: {exc.strerror}.") from None
+        pgid = process.pid  # start_new_session: the shell leads its own group
+        # Written from here right after exec, while the shell is still starting: the wrapper
+        # alternative (oom.with_oom_score_adj) closes the tiny window before the shell forks,
+        # but costs an extra exec on every command, a third of a `true` call's budget.
+        set_oom_score_adj(process.pid, COMMAND_OOM_SCORE_ADJ)
+        self.store.record_process(call_id, process.pid, pgid, processes.start_ticks(process.pid) or 0)
+        command = Command(call_id, process, pgid, streams, started=trio.current_time())
+        self.commands[call_id] = command
+        self.nursery.start_soon(self._tend, command)
+        return command
+
+    async def _wait(self, command: Command, timeout_s: float) -> bool:
+        """Wait for the shell to exit; on timeout SIGTERM the group, SIGKILL after the grace.
+        True when the timeout fired."""
+        timed_out = False
+        with trio.move_on_after(timeout_s):
+            await command.process.wait()
+        if command.process.returncode is None:
+            timed_out = True
+            await self.terminate_group(command)
+        await command.process.wait()
+        command.shell_exited = True
+        return timed_out
+
+    async def terminate_group(self, command: Command) -> None:
+        """SIGTERM to the group, then SIGKILL to whatever of it is left after the grace —
+        descendants that ignore SIGTERM included."""
+        command.send_signal(signal.SIGTERM)
+        with trio.move_on_after(self.settings.kill_grace_s):
+            while processes.group_alive(command.pgid):
+                await trio.sleep(0.01)
+        command.send_signal(signal.SIGKILL)
+
+    # --- the tasks that outlive the call -------------------------------------------------
+
+    async def _tend(self, command: Command) -> None:
+        """Readers and flusher of one command; forgets the process group once all is done."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read, command, "stdout", command.process.stdout)
+                nursery.start_soon(self._read, command, "stderr", command.process.stderr)
+                nursery.start_soon(self._flush_live, command)
+        finally:
+            command.finished.set()
+            for stream in command.streams.values():
+                stream.spool.close()
+            if not processes.group_alive(command.pgid):
+                try:
+                    self.store.forget_process(command.call_id)
+                except Exception:  # noqa: BLE001 - a stale row only costs a check at start
+                    log.warning("process.forget_failed", call_id=command.call_id)
+
+    async def _read(self, command: Command, name: str, pipe: trio.abc.ReceiveStream) -> None:
+        stream = command.streams[name]
+        try:
+            while True:
+                data = await pipe.receive_some(READ_CHUNK_BYTES)
+                if not data:
+                    break
+                stream.spool.write(data)
+                stream.summary.feed(data)
+                stream.live.feed(data)
+                command.wake.set()
+        finally:
+            stream.closed = True
+            stream.spool.close()
+            await trio.aclose_forcefully(pipe)
+            if all(s.closed for s in command.streams.values()):
+                command.streams_closed.set()
+                command.wake.set()
+
+    async def _flush_live(self, command: Command) -> None:
+        """Emit throttled exec.output events until the call has completed and both streams
+        are closed and drained. Bytes that arrive inside a throttle window wait for its end;
+        the final flush before exec.completed is done by `execute`, synchronously."""
+        while True:
+            command.wake = trio.Event()
+            now_ms = trio.current_time() * 1000
+            events = [
+                output_event(command.call_id, name, chunk)
+                for name, stream in command.streams.items()
+                if stream.live.due(now_ms)
+                for chunk in stream.live.flush(now_ms, after_exit=command.completed)
+            ]
+            if command.completed and command.streams_closed.is_set():
+                # The last bytes of descendants that outlived the shell.
+                events += [
+                    output_event(command.call_id, name, chunk)
+                    for name, stream in command.streams.items()
+                    for chunk in stream.live.flush(now_ms, final=True, after_exit=True)
+                ]
+                if events:
+                    self.journal.append(events)
+                return
+            if events:
+                self.journal.append(events)
+            wake_at = [t for t in (s.live.next_flush_at() for s in command.streams.values()) if t is not None]
+            if wake_at:
+                await trio.sleep_until(min(wake_at) / 1000)
+            else:
+                await command.wake.wait()
+
+    # --- exec.* frames -------------------------------------------------------------------
+
+    def signal_command(self, call_id: str, signame: str) -> str | None:
+        """Send a signal to a command's group; an error code, or None when sent."""
+        command = self.commands.get(call_id)
+        if command is None:
+            return errors.NOT_RUNNING if self.known_call(call_id) else errors.UNKNOWN_CALL
+        if command.completed or command.shell_exited:
+            return errors.NOT_RUNNING
+        command.send_signal(SIGNALS[signame])
+        return None
+
+    def known_call(self, call_id: str) -> bool:
+        return spool_dir(self.settings.state_dir, call_id).is_dir()
+
+    def read_output(self, call_id: str, stream: str, offset: int, length: int) -> dict[str, Any] | None:
+        """An exec.output_page body, or None for an unknown call."""
+        if not self.known_call(call_id):
+            return None
+        try:
+            page = read_range(stream_path(self.settings.state_dir, call_id, stream), offset, length)
+        except SpoolNotFound:
+            return None
+        return {
+            "call_id": call_id,
+            "stream": stream,
+            "offset": offset,
+            "data": base64.b64encode(page.data).decode("ascii"),
+            "eof": page.eof,
+            "truncated": page.truncated,
+        }
+
+    # --- stop ----------------------------------------------------------------------------
+
+    async def wait_calls_completed(self) -> None:
+        while any(not c.completed for c in self.commands.values()):
+            await trio.sleep(0.01)
+
+    async def stop_all(self) -> None:
+        """SIGTERM every running group, SIGKILL after the grace (PROTOCOL 10); the calls'
+        own tasks then journal their completions."""
+        running = [c for c in self.commands.values() if not c.shell_exited or processes.group_alive(c.pgid)]
+        async with trio.open_nursery() as nursery:
+            for command in running:
+                nursery.start_soon(self.terminate_group, command)

@@ -1,0 +1,278 @@
+"""The lossless record of a command's output (PROTOCOL.md 7.3): every byte, up to a cap.
+
+Layout, one directory per call under the state directory:
+
+    <state_dir>/spool/<call_id>/stdout          the bytes, as the command wrote them
+    <state_dir>/spool/<call_id>/stdout.state    {"ended","total","kept","truncated"} (JSON)
+    <state_dir>/spool/<call_id>/stderr, stderr.state
+
+Decisions:
+- No meta.json: what the call was (command, cwd, context) lives in the store with its
+  idempotency record; the spool only holds bytes and the state a reader needs.
+- The `.state` sidecar is what makes `eof` and `truncated` answerable by a reader that is not
+  the writer, including after a daemon restart. It is replaced atomically (temporary file +
+  rename), when the cap is first hit and when the stream ends (`close`), so a reader sees
+  either the old state or the new one, never a torn one. `ended` is only set by `close` (or by
+  `seal_stream` when recovery finds a stream whose writer died).
+- Writes are plain `os.write` calls on an O_APPEND descriptor, with no fsync: the bytes are in
+  the page cache the moment write returns, so they survive a kill of the daemon (the case that
+  matters: the client pages through them after a restart). A power loss may lose the tail;
+  the spool is best effort there, as the journal is not.
+- A write the disk refuses (ENOSPC, EIO …) does not stop the command: the stream is marked
+  truncated from there on, like hitting the cap, and the error is kept in `write_error`;
+  `write` and `close` never raise for it.
+- A stream file already existing is an error (FileExistsError): a command is never run twice,
+  so two writers for one call would be a bug that must not silently mix their bytes.
+- Readers check the state before reading the bytes: the writer writes every byte before it
+  marks the stream ended, so a page read after seeing `ended` is complete, and `eof` is never
+  claimed for bytes that were still to come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.fields import UUID_PATTERN
+
+__all__ = [
+    "STREAMS",
+    "SpoolNotFound",
+    "SpoolPage",
+    "SpoolWriter",
+    "StreamState",
+    "read_range",
+    "read_state",
+    "remove_spool",
+    "seal_stream",
+    "spool_dir",
+    "stream_path",
+]
+
+SPOOL_DIRECTORY = "spool"
+STREAMS = ("stdout", "stderr")
+STATE_SUFFIX = ".state"
+_DIRECTORY_MODE = 0o700  # output may hold secrets the command printed
+_FILE_MODE = 0o600
+_CALL_ID = re.compile(UUID_PATTERN)
+
+
+class SpoolNotFound(LookupError):
+    """No spooled stream at this path (unknown call, or its spool was removed)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"no spooled output at {path}")
+        self.path = path
+
+
+@dataclass(frozen=True, slots=True)
+class StreamState:
+    ended: bool  # the stream is complete: no byte will be added
+    total: int  # bytes the command wrote (also past the cap)
+    kept: int  # bytes in the file
+    truncated: bool  # bytes were not kept (the cap, or a write the disk refused)
+
+    def to_json(self) -> str:
+        fields = {"ended": self.ended, "total": self.total, "kept": self.kept}
+        return json.dumps({**fields, "truncated": self.truncated}, sort_keys=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolPage:
+    data: bytes
+    eof: bool  # the stream has ended and this page reaches its end
+    truncated: bool  # the spool did not keep everything (cap hit)
+
+
+def spool_dir(state_dir: str | os.PathLike[str], call_id: str) -> Path:
+    """`<state_dir>/spool/<call_id>`; the call_id must be a uuid (it becomes a path component)."""
+    if not _CALL_ID.fullmatch(call_id):
+        raise ValueError(f"not a call_id: {call_id!r}")
+    return Path(state_dir) / SPOOL_DIRECTORY / call_id
+
+
+def stream_path(state_dir: str | os.PathLike[str], call_id: str, stream: str) -> Path:
+    if stream not in STREAMS:
+        raise ValueError(f"not a stream: {stream!r}")
+    return spool_dir(state_dir, call_id) / stream
+
+
+def remove_spool(state_dir: str | os.PathLike[str], call_id: str) -> None:
+    """Delete a call's spool (when its session ends or the disk cap needs room). Idempotent."""
+    shutil.rmtree(spool_dir(state_dir, call_id), ignore_errors=True)
+
+
+def _state_path(path: Path) -> Path:
+    return path.with_name(path.name + STATE_SUFFIX)
+
+
+def _write_state(path: Path, state: StreamState) -> None:
+    """Replace the state sidecar atomically: a reader sees the old state or the new one."""
+    target = _state_path(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(state.to_json())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def read_state(path: Path) -> StreamState | None:
+    """The stream's recorded state, or None while it runs and has not hit its cap."""
+    try:
+        document = json.loads(_state_path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    return StreamState(
+        ended=bool(document["ended"]),
+        total=int(document["total"]),
+        kept=int(document["kept"]),
+        truncated=bool(document["truncated"]),
+    )
+
+
+class SpoolWriter:
+    """Appends one stream's bytes to its spool file, keeping at most `cap_bytes`."""
+
+    def __init__(self, path: str | os.PathLike[str], cap_bytes: int) -> None:
+        if cap_bytes < 0:
+            raise ValueError("cap_bytes must not be negative")
+        self.path = Path(path)
+        self._cap = cap_bytes
+        self.path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        self._fd: int | None = os.open(self.path, flags, _FILE_MODE)
+        self._size = 0
+        self._total = 0
+        self._truncated = False
+        self.write_error: str | None = None  # strerror of the write the disk refused
+
+    @property
+    def size(self) -> int:
+        """Bytes kept in the file."""
+        return self._size
+
+    @property
+    def total(self) -> int:
+        """Bytes seen (written to the spool or not)."""
+        return self._total
+
+    @property
+    def truncated(self) -> bool:
+        return self._truncated
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def write(self, data: bytes) -> int:
+        """Keep what fits under the cap; the number of bytes kept."""
+        if self._fd is None:
+            raise ValueError("write to a closed spool stream")
+        self._total += len(data)
+        room = 0 if self.write_error else self._cap - self._size
+        wanted = min(len(data), room)
+        kept = self._write_all(memoryview(data)[:wanted]) if wanted else 0
+        self._size += kept
+        if kept < len(data) and not self._truncated:
+            self._truncated = True
+            # Recorded now, not only at close: a reader must see `truncated` while it runs.
+            self._record(ended=False)
+        return kept
+
+    def _record(self, *, ended: bool) -> None:
+        try:
+            _write_state(self.path, self._state(ended=ended))
+        except OSError as exc:
+            # Best effort, like the bytes: the command and its result go on without it.
+            self.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
+
+    def _write_all(self, data: memoryview) -> int:
+        written = 0
+        while written < len(data):
+            try:
+                written += os.write(self._fd, data[written:])  # type: ignore[arg-type]
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                self.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
+                break
+        return written
+
+    def close(self) -> None:
+        """The stream has ended: close the file and record the final state. Idempotent.
+
+        Never raises for a disk error (the result must still be reported): `write_error`
+        then says why a reader may not see the stream ended.
+        """
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        os.close(fd)
+        self._record(ended=True)
+
+    def _state(self, *, ended: bool) -> StreamState:
+        return StreamState(
+            ended=ended, total=self._total, kept=self._size, truncated=self._truncated
+        )
+
+
+def seal_stream(path: str | os.PathLike[str]) -> StreamState:
+    """Mark a stream ended whose writer is gone (recovery after a crash, PROTOCOL 7.1).
+
+    What the file holds is all there will be. `total` is unknown past what was kept, so it is
+    the kept size, unless the cap had been hit (the state then already says more). A stream
+    that never got a file (the crash came first) is sealed as empty. Idempotent.
+    """
+    path = Path(path)
+    previous = read_state(path)
+    if previous is not None and previous.ended:
+        return previous
+    try:
+        kept = path.stat().st_size
+    except FileNotFoundError:
+        path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
+        path.touch(mode=_FILE_MODE)
+        kept = 0
+    total = max(kept, previous.total if previous else 0)
+    truncated = previous.truncated if previous else False
+    state = StreamState(ended=True, total=total, kept=kept, truncated=truncated)
+    _write_state(path, state)
+    return state
+
+
+def read_range(path: str | os.PathLike[str], offset: int, length: int) -> SpoolPage:
+    """Up to `length` bytes from `offset` (exec.read_output); SpoolNotFound if no such stream."""
+    if offset < 0 or length < 0:
+        raise ValueError("offset and length must not be negative")
+    path = Path(path)
+    state = read_state(path)  # before the bytes: see the module docstring
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SpoolNotFound(path) from None
+    try:
+        chunks: list[bytes] = []
+        got = 0
+        while got < length:
+            piece = os.pread(fd, length - got, offset + got)
+            if not piece:
+                break
+            chunks.append(piece)
+            got += len(piece)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    ended = state is not None and state.ended
+    eof = ended and offset + len(data) >= state.kept  # type: ignore[union-attr]
+    return SpoolPage(data=data, eof=eof, truncated=state is not None and state.truncated)

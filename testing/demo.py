@@ -1,0 +1,132 @@
+"""`sandbox-supervisor demo`: one whole session against a real daemon, narrated.
+
+The daemon is started as users start it (`python -m supervisor serve --config …`, a
+subprocess) on temporary directories, with a freshly generated test authority; the
+reference client plays the control plane.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import tempfile
+from pathlib import Path
+
+import trio
+
+from testing.authority import LoopbackAuthority
+from testing.client import UpgradeRejected
+from testing.daemon import DaemonProcess, make_layout
+
+ZERO = "0" * 40
+
+
+def blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+class Narrator:
+    def __init__(self, out) -> None:
+        self.out = out
+        self.step = 0
+
+    def title(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def say(self, text: str) -> None:
+        self.step += 1
+        print(f"{self.step:>2}. {text}", file=self.out, flush=True)
+
+    def detail(self, text: str) -> None:
+        print(f"      {text}", file=self.out, flush=True)
+
+
+async def run_demo(root: Path, out=sys.stdout) -> int:
+    n = Narrator(out)
+    layout = make_layout(root, authority=LoopbackAuthority(kid="demo-key"))
+    (layout.workspace / "README.md").write_text("# demo project\nhello\n")
+    process = DaemonProcess(layout)
+    running = await process.start()
+    n.title("sandbox-supervisor demo: a real daemon on temporary directories")
+    n.detail(f"daemon pid {process.proc.pid}, listening on {running.tcp} and {running.unix}")
+    n.detail(f"state dir {layout.state_dir}, workspace {layout.workspace}")
+    cwd = str(layout.workspace)
+    try:
+        client = running.client()
+
+        # A control plane holding the wrong key gets nowhere, and costs the daemon nothing.
+        forger = running.client()
+        forger.authority = LoopbackAuthority(kid="demo-key")  # same kid, different key
+        try:
+            async with forger.connect():
+                pass
+            raise AssertionError("a forged assertion was accepted")
+        except UpgradeRejected as rejection:
+            n.say(f"forged assertion (same kid, other key) -> HTTP {rejection.status} {rejection.error}")
+
+        async with client.connect() as session:
+            state = await session.bootstrap(cwd=cwd)
+            body = state["body"]
+            n.say(
+                f"connect generation {session.generation} over TCP, bootstrap -> runtime.state "
+                f"{body['status']} (scopes {' '.join(body['scopes'])})"
+            )
+            read = await session.call_and_wait("read_file", {"path": "README.md"})
+            n.say(f"read_file README.md -> {read['result']['size']} bytes, sha {read['result']['sha'][:12]}")
+            old = (layout.workspace / "README.md").read_bytes()
+            diff = "--- a/README.md\n+++ b/README.md\n@@ -2 +2 @@\n-hello\n+hello, supervised world\n"
+            patched = await session.call_and_wait(
+                "apply_file_patch",
+                {"path": "README.md", "diff": diff, "base_sha": blob_sha(old)},
+                idempotency_key="demo-patch-1",
+            )
+            n.say(
+                f"apply_file_patch README.md -> ok, {patched['result']['old_sha'][:12]} -> "
+                f"{patched['result']['new_sha'][:12]}"
+            )
+            await session.ack()
+            n.detail(f"acked through seq {client.state.acked}")
+
+            # The response to this call is lost: the connection drops before it is read.
+            lost_params = {
+                "path": "NOTES.md",
+                "diff": "--- /dev/null\n+++ b/NOTES.md\n@@ -0,0 +1 @@\n+written exactly once\n",
+                "base_sha": ZERO,
+            }
+            await session.call("apply_file_patch", lost_params, idempotency_key="demo-patch-2")
+            n.say("apply_file_patch NOTES.md sent, then the connection drops before the result is read")
+
+        # Reconnect (over the unix socket this time) with the floor the client has stored:
+        # the daemon replays what was missed, then the retry is answered from the record.
+        client.endpoint = running.unix
+        async with client.connect() as session:
+            floor = client.state.ack_floor
+            await session.bootstrap(cwd=cwd)
+            # Everything after the floor arrives in seq order: the replay of what the daemon
+            # journaled meanwhile, then live events, with no gap at the seam.
+            lost = await session.receive_until(
+                lambda f: f.get("kind") == "tool.result"
+                and f["body"].get("idempotency_key") == "demo-patch-2"
+            )
+            n.say(
+                f"reconnect generation {session.generation} over unix with ack floor {floor} -> "
+                f"seq {lost['seq']} tool.result of the lost call arrives (ok: {lost['body']['ok']})"
+            )
+            retry = await session.call("apply_file_patch", lost_params, idempotency_key="demo-patch-2")
+            frame = await session.receive_until(lambda f: f["kind"] == "tool.replayed")
+            assert frame["body"]["call_id"] == retry
+            n.say(
+                f"retry with the same idempotency key -> tool.replayed of seq "
+                f"{frame['body']['original']['seq']}; NOTES.md written once: "
+                f"{(layout.workspace / 'NOTES.md').read_text().strip()!r}"
+            )
+            await session.ack()
+    finally:
+        code = await process.stop()
+    n.say(f"SIGTERM -> daemon exited with status {code}")
+    return 0 if code == 0 else 1
+
+
+def main(args=None) -> int:
+    with tempfile.TemporaryDirectory(prefix="sandbox-supervisor-demo-") as tmp:
+        return trio.run(run_demo, Path(tmp) / "demo")

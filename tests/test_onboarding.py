@@ -1,0 +1,535 @@
+"""Template onboarding: the record model, the hashes, the build commit, the CLI (every problem
+reported, exit 2) and the JSON file store (atomic, locked, crash-safe)."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import tomllib
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from protocol.onboarding import MAX_COMPONENTS, TemplateOnboarding, format_utc
+from protocol.schema_export import DEFAULT_OUT_DIR, EXPORTED
+from supervisor import onboarding
+from supervisor.onboarding import (
+    BUILD_SHA_ENV,
+    RUNTIME_PACKAGES,
+    build_sha,
+    dependency_versions,
+    package_directories,
+    runtime_hash,
+    sha256_file,
+    tree_files,
+)
+from supervisor.onboarding_store import (
+    STORE_FORMAT,
+    JsonFileOnboardingStore,
+    OnboardingStore,
+    OnboardingStoreError,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SHA1 = "0123456789abcdef0123456789abcdef01234567"
+SHA256 = "ab" * 32
+CLI_TIMEOUT_S = 60
+EXIT_BAD_INPUT = 2
+
+
+def record_data(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "owner": {"service": "my-service", "profileVersion": 3},
+        "provider": "e2b",
+        "templateId": "tmpl-abc123",
+        "supervisor": {"version": "0.1.0", "sha": SHA1},
+        "supervisorEntrySha256": SHA256,
+        "runtimeHash": "cd" * 32,
+        "components": {"node": "22.11.0", "python": "3.11.7"},
+        "onboardedAt": "2025-01-31T12:00:00.5Z",
+    }
+    data.update(overrides)
+    return data
+
+
+def record(**overrides: Any) -> TemplateOnboarding:
+    return TemplateOnboarding.model_validate(record_data(**overrides))
+
+
+# --- the model ----------------------------------------------------------------------------
+
+
+def test_a_complete_record_validates_and_round_trips() -> None:
+    parsed = record()
+    assert parsed.key == ("my-service", "tmpl-abc123")
+    assert TemplateOnboarding.model_validate_json(parsed.model_dump_json()) == parsed
+    assert "TemplateOnboarding" in EXPORTED
+    schema = json.loads((DEFAULT_OUT_DIR / "TemplateOnboarding.json").read_text())
+    assert schema["properties"]["provider"]["const"] == "e2b"
+    assert schema["properties"]["components"]["maxProperties"] == MAX_COMPONENTS
+
+
+@pytest.mark.parametrize(
+    ("overrides", "location"),
+    [
+        ({"provider": "aws"}, ("provider",)),
+        ({"owner": {"service": "My_Service", "profileVersion": 1}}, ("owner", "service")),
+        ({"owner": {"service": "svc", "profileVersion": 0}}, ("owner", "profileVersion")),
+        ({"owner": {"service": "svc", "profileVersion": "1"}}, ("owner", "profileVersion")),
+        ({"owner": {"service": "svc", "profileVersion": True}}, ("owner", "profileVersion")),
+        ({"owner": {"service": "svc"}}, ("owner", "profileVersion")),
+        ({"templateId": ""}, ("templateId",)),
+        ({"templateId": "x" * 513}, ("templateId",)),
+        ({"templateId": "line\nbreak"}, ("templateId",)),
+        ({"supervisor": {"version": "1", "sha": SHA1.upper()}}, ("supervisor", "sha")),
+        ({"supervisor": {"version": "1", "sha": SHA1[:39]}}, ("supervisor", "sha")),
+        ({"supervisor": {"version": "", "sha": SHA1}}, ("supervisor", "version")),
+        ({"supervisorEntrySha256": SHA256[:63]}, ("supervisorEntrySha256",)),
+        ({"runtimeHash": "g" * 64}, ("runtimeHash",)),
+        ({"components": {"Node": "1"}}, ("components", "Node", "[key]")),
+        ({"components": {"9lives": "1"}}, ("components", "9lives", "[key]")),
+        ({"components": {"a" * 65: "1"}}, ("components", "a" * 65, "[key]")),
+        ({"components": {"node": ""}}, ("components", "node")),
+        ({"components": {f"c{i}": "1" for i in range(MAX_COMPONENTS + 1)}}, ("components",)),
+        ({"onboardedAt": "2025-01-31T12:00:00+01:00"}, ("onboardedAt",)),
+        ({"onboardedAt": "2025-01-31 12:00:00Z"}, ("onboardedAt",)),
+        ({"onboardedAt": "2025-02-30T12:00:00Z"}, ("onboardedAt",)),
+        ({"onboardedAt": "2025-01-31T24:00:00Z"}, ("onboardedAt",)),
+        ({"agentCore": {"version": "1", "sha": SHA1}}, ("agentCore",)),
+    ],
+)
+def test_invalid_records_are_refused_where_they_are_wrong(overrides, location) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        record(**overrides)
+    assert location in [tuple(str(p) for p in error["loc"]) for error in excinfo.value.errors()]
+
+
+def test_sixty_four_components_are_allowed() -> None:
+    assert len(record(components={f"c{i}": "1" for i in range(MAX_COMPONENTS)}).components) == 64
+
+
+def test_format_utc_writes_the_record_form() -> None:
+    moment = datetime(2025, 1, 31, 13, 0, 0, 250000, tzinfo=timezone(timedelta(hours=1)))
+    assert format_utc(moment) == "2025-01-31T12:00:00.25Z"
+    assert format_utc(datetime(2025, 1, 31, tzinfo=timezone.utc)) == "2025-01-31T00:00:00Z"
+    record(onboardedAt=format_utc(datetime.now(timezone.utc)))  # always valid
+    with pytest.raises(ValueError):
+        format_utc(datetime(2025, 1, 31))
+
+
+# --- hashes -------------------------------------------------------------------------------
+
+
+def make_tree(root: Path, files: dict[str, bytes]) -> Path:
+    for name, content in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    return root
+
+
+TREE = {"__init__.py": b"", "app.py": b"print('hi')\n", "sub/data.json": b"{}\n"}
+DEPS = {"trio": "0.35.0", "pydantic": "2.14.4"}
+
+
+def tree_hash(root: Path, *, python: str = "CPython 3.11.7", deps: dict | None = None) -> str:
+    return runtime_hash({"pkg": root}, python_version=python, dependencies=DEPS if deps is None else deps)
+
+
+def test_runtime_hash_is_stable_and_independent_of_creation_order(tmp_path: Path) -> None:
+    first = make_tree(tmp_path / "a", TREE)
+    second = make_tree(tmp_path / "b", dict(reversed(list(TREE.items()))))
+    assert tree_hash(first) == tree_hash(first) == tree_hash(second)
+    assert len(tree_hash(first)) == 64
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["edit", "add", "rename", "remove", "python", "dependency", "dependency-added"],
+)
+def test_runtime_hash_changes_with_code_python_or_dependencies(tmp_path: Path, change: str) -> None:
+    root = make_tree(tmp_path / "pkg", TREE)
+    before = tree_hash(root)
+    python, deps = "CPython 3.11.7", dict(DEPS)
+    if change == "edit":
+        (root / "app.py").write_bytes(b"print('hi!')\n")
+    elif change == "add":
+        (root / "sub" / "new.py").write_bytes(b"")
+    elif change == "rename":
+        (root / "app.py").rename(root / "main.py")
+    elif change == "remove":
+        (root / "sub" / "data.json").unlink()
+    elif change == "python":
+        python = "CPython 3.11.8"
+    elif change == "dependency":
+        deps["trio"] = "0.36.0"
+    else:
+        deps["sniffio"] = "1.3.1"
+    assert tree_hash(root, python=python, deps=deps) != before
+
+
+def test_runtime_hash_ignores_bytecode_caches(tmp_path: Path) -> None:
+    root = make_tree(tmp_path / "pkg", TREE)
+    before = tree_hash(root)
+    make_tree(root, {"__pycache__/app.cpython-311.pyc": b"\x00compiled", "stray.pyc": b"x"})
+    assert tree_hash(root) == before
+    assert [name for name, _ in tree_files(root)] == ["__init__.py", "app.py", "sub/data.json"]
+
+
+def test_sha256_file_matches_hashlib(tmp_path: Path) -> None:
+    path = tmp_path / "entry"
+    path.write_bytes(b"#!/usr/bin/python3\n" * 100_000)
+    assert sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_hashed_packages_are_the_distributions_and_are_imported_from_here() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert set(RUNTIME_PACKAGES) == {pattern.rstrip("*") for pattern in include}
+    assert package_directories()["supervisor"] == Path(onboarding.__file__).parent
+
+
+def test_dependency_versions_are_transitive_without_test_extras() -> None:
+    versions = dependency_versions()
+    for name in ("trio", "pydantic", "structlog", "pydantic-core", "sniffio", "cffi"):
+        assert name in versions, name  # pydantic-core, sniffio, cffi come in transitively
+    assert "pytest" not in versions and "hypothesis" not in versions
+
+
+# --- the build commit ---------------------------------------------------------------------
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
+
+
+def test_build_sha_prefers_the_flag_then_the_environment_then_a_clean_checkout(tmp_path: Path) -> None:
+    repo = tmp_path / "checkout"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "tracked.py").write_text("x = 1\n")
+    git(repo, "add", "tracked.py")
+    git(repo, "commit", "-q", "-m", "one")
+    head = git(repo, "rev-parse", "HEAD")
+
+    assert build_sha("f" * 40, {BUILD_SHA_ENV: "e" * 40}, repo) == ("f" * 40, "--supervisor-sha")
+    assert build_sha(None, {BUILD_SHA_ENV: "e" * 40}, repo) == ("e" * 40, BUILD_SHA_ENV)
+    assert build_sha(None, {}, repo) == (head, "git")
+    (repo / "untracked.txt").write_text("build output\n")
+    assert build_sha(None, {}, repo) == (head, "git")  # untracked files do not change the code
+    (repo / "tracked.py").write_text("x = 2\n")
+    assert build_sha(None, {}, repo) == (None, "git")  # HEAD no longer describes the code
+    not_a_repo = tmp_path / "plain"
+    not_a_repo.mkdir()
+    assert build_sha(None, {}, not_a_repo) == (None, "git")
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def cli_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != BUILD_SHA_ENV}
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor", "onboard-template", *args],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env=cli_env(),
+        cwd=cwd,
+    )
+
+
+VALID_FLAGS = (
+    "--service", "my-service",
+    "--profile-version", "3",
+    "--template-id", "tmpl-abc123",
+    "--component", "node=22.11.0",
+    "--component", "python=3.11.7",
+    "--supervisor-sha", SHA1,
+    "--onboarded-at", "2025-01-31T12:00:00Z",
+)
+
+
+def test_cli_prints_a_valid_record_with_stable_hashes(tmp_path: Path) -> None:
+    first = run_cli(*VALID_FLAGS, cwd=tmp_path)
+    second = run_cli(*VALID_FLAGS, cwd=REPO)  # another process, another working directory
+    assert first.returncode == 0, first.stderr
+    assert second.returncode == 0, second.stderr
+    printed = TemplateOnboarding.model_validate_json(first.stdout)
+    assert first.stdout == second.stdout  # same installed code: same record, byte for byte
+    assert printed.owner.service == "my-service" and printed.owner.profileVersion == 3
+    assert printed.supervisor.sha == SHA1
+    assert printed.components == {"node": "22.11.0", "python": "3.11.7"}
+    entry = Path(sysconfig.get_path("scripts")) / "sandbox-supervisor"
+    assert printed.supervisorEntrySha256 == sha256_file(entry)
+    assert printed.runtimeHash == onboarding.installed_runtime_hash()
+
+
+def test_cli_takes_the_build_commit_from_the_environment(tmp_path: Path) -> None:
+    flags = [f for f in VALID_FLAGS]
+    index = flags.index("--supervisor-sha")
+    del flags[index : index + 2]
+    completed = subprocess.run(
+        [sys.executable, "-m", "supervisor", "onboard-template", *flags],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env={**cli_env(), BUILD_SHA_ENV: "e" * 40},
+        cwd=tmp_path,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert TemplateOnboarding.model_validate_json(completed.stdout).supervisor.sha == "e" * 40
+
+
+def test_cli_hashes_the_entry_point_it_is_given(tmp_path: Path) -> None:
+    entry = tmp_path / "entry"
+    entry.write_bytes(b"#!/bin/sh\n")
+    completed = run_cli(*VALID_FLAGS, "--entry", str(entry))
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["supervisorEntrySha256"] == hashlib.sha256(b"#!/bin/sh\n").hexdigest()
+
+
+def problems(completed: subprocess.CompletedProcess[str]) -> list[str]:
+    assert completed.returncode == EXIT_BAD_INPUT, completed.stdout + completed.stderr
+    assert completed.stdout == ""  # no record is printed when anything is wrong
+    return completed.stderr.strip().splitlines()
+
+
+def test_cli_refuses_sixty_five_components() -> None:
+    components = [arg for i in range(MAX_COMPONENTS + 1) for arg in ("--component", f"c{i}=1")]
+    lines = problems(run_cli(*VALID_FLAGS, *components))
+    assert any(line.startswith("--component:") and "at most 64" in line for line in lines), lines
+
+
+def test_cli_refuses_a_bad_commit_sha() -> None:
+    flags = list(VALID_FLAGS)
+    flags[flags.index(SHA1)] = "abc123"
+    lines = problems(run_cli(*flags))
+    assert lines == ["--supervisor-sha: String should match pattern '^[0-9a-f]{40}$' (got 'abc123')"]
+
+
+def test_cli_names_every_bad_component_name() -> None:
+    lines = problems(
+        run_cli(*VALID_FLAGS, "--component", "Node=1", "--component", "9lives=2", "--component", "a_b=3")
+    )
+    for name in ("Node", "9lives", "a_b"):
+        assert any(line.startswith(f"--component {name} (name):") for line in lines), (name, lines)
+    assert len(lines) == 3
+
+
+def test_cli_prints_every_problem_at_once() -> None:
+    components = [arg for i in range(MAX_COMPONENTS + 1) for arg in ("--component", f"c{i}=1")]
+    lines = problems(
+        run_cli(
+            "--profile-version", "zero",
+            "--provider", "aws",
+            "--supervisor-sha", "xyz",
+            "--onboarded-at", "2025-01-31T12:00:00+01:00",
+            "--component", "BAD=1",
+            "--component", "c0=2",  # a repeat of c0 below
+            "--component", "novalue",
+            "--entry", "/nonexistent/entry",
+            *components,
+        )
+    )
+    starts = [line.split(":")[0] for line in lines]
+    for flag in (
+        "--service",  # missing
+        "--template-id",  # missing
+        "--profile-version",
+        "--provider",
+        "--supervisor-sha",
+        "--onboarded-at",
+        "--component BAD (name)",
+        "--entry",
+    ):
+        assert flag in starts, (flag, lines)
+    assert any("'c0' is given more than once" in line for line in lines), lines
+    assert any("'novalue' is not NAME=VERSION" in line for line in lines), lines
+    assert any("at most 64" in line for line in lines), lines  # the count and the names
+
+
+def test_cli_without_a_build_commit_says_how_to_give_one(tmp_path: Path) -> None:
+    flags = list(VALID_FLAGS)
+    index = flags.index("--supervisor-sha")
+    del flags[index : index + 2]
+    # Not a checkout we can trust here (the repo may have uncommitted work): force "no git".
+    completed = subprocess.run(
+        [sys.executable, "-m", "supervisor", "onboard-template", *flags],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env={**cli_env(), "GIT_DIR": str(tmp_path / "no-such-git-dir")},
+        cwd=tmp_path,
+    )
+    lines = problems(completed)
+    assert len(lines) == 1 and lines[0].startswith("--supervisor-sha: no build commit"), lines
+    assert BUILD_SHA_ENV in lines[0]
+
+
+# --- the JSON file store ------------------------------------------------------------------
+
+
+def test_store_upserts_by_service_and_template(tmp_path: Path) -> None:
+    store = JsonFileOnboardingStore(tmp_path / "store.json")
+    assert isinstance(store, OnboardingStore)
+    assert store.get("my-service", "tmpl-abc123") is None
+    store.upsert(record())
+    store.upsert(record(templateId="tmpl-other"))
+    store.upsert(record(owner={"service": "other-service", "profileVersion": 1}))
+    replaced = record(components={"node": "23.0.0"}, onboardedAt="2025-02-01T00:00:00Z")
+    store.upsert(replaced)
+    assert store.get("my-service", "tmpl-abc123") == replaced
+    assert [r.key for r in store.records()] == [
+        ("my-service", "tmpl-abc123"),
+        ("my-service", "tmpl-other"),
+        ("other-service", "tmpl-abc123"),
+    ]
+    document = json.loads((tmp_path / "store.json").read_text())
+    assert document["format"] == STORE_FORMAT and len(document["records"]) == 3
+    assert (tmp_path / "store.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_cli_store_flag_upserts(tmp_path: Path) -> None:
+    store_path = tmp_path / "nested" / "store.json"
+    first = run_cli(*VALID_FLAGS, "--store", str(store_path))
+    assert first.returncode == 0, first.stderr
+    flags = list(VALID_FLAGS)
+    flags[flags.index("tmpl-abc123")] = "tmpl-second"
+    second = run_cli(*flags, "--store", str(store_path))
+    assert second.returncode == 0, second.stderr
+    store = JsonFileOnboardingStore(store_path)
+    assert store.get("my-service", "tmpl-abc123") == TemplateOnboarding.model_validate_json(first.stdout)
+    assert store.get("my-service", "tmpl-second") == TemplateOnboarding.model_validate_json(second.stdout)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"not json", b"[]", b'{"format": "other", "records": []}', b'{"format": "%s", "records": [{}]}' % STORE_FORMAT.encode()],
+)
+def test_a_file_that_is_not_a_store_is_refused_and_left_alone(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "store.json"
+    path.write_bytes(content)
+    with pytest.raises(OnboardingStoreError):
+        JsonFileOnboardingStore(path).upsert(record())
+    assert path.read_bytes() == content
+    completed = run_cli(*VALID_FLAGS, "--store", str(path))
+    assert completed.returncode == 1
+    assert completed.stderr.startswith("--store: ")
+    assert path.read_bytes() == content
+
+
+def test_a_store_with_a_repeated_key_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "store.json"
+    good = record().model_dump(mode="json")
+    text = json.dumps({"format": STORE_FORMAT, "records": [good]})
+    path.write_text(text.replace('"node": "22.11.0"', '"node": "22.11.0", "node": "99"'))
+    with pytest.raises(OnboardingStoreError, match="duplicate key 'node'"):
+        JsonFileOnboardingStore(path).get("my-service", "tmpl-abc123")
+
+
+WRITER = """
+import sys
+from protocol.onboarding import TemplateOnboarding
+from supervisor.onboarding_store import JsonFileOnboardingStore
+path, template_prefix, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+base = TemplateOnboarding.model_validate_json(sys.argv[4])
+store = JsonFileOnboardingStore(path)
+for i in range(count):
+    store.upsert(base.model_copy(update={"templateId": f"{template_prefix}-{i}"}))
+"""
+
+
+def start_writer(path: Path, prefix: str, count: int, *, script: str = WRITER) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(path), prefix, str(count), record().model_dump_json()],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+    )
+
+
+def test_concurrent_upserts_lose_no_record(tmp_path: Path) -> None:
+    path = tmp_path / "store.json"
+    writers = [start_writer(path, f"w{n}", 10) for n in range(8)]
+    for writer in writers:
+        _, err = writer.communicate(timeout=CLI_TIMEOUT_S)
+        assert writer.returncode == 0, err
+    templates = {r.templateId for r in JsonFileOnboardingStore(path).records()}
+    assert templates == {f"w{n}-{i}" for n in range(8) for i in range(10)}
+
+
+def test_an_upsert_waits_for_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "store.json"
+    store = JsonFileOnboardingStore(path)
+    store.upsert(record())
+    before = path.read_bytes()
+    with open(store.lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        writer = start_writer(path, "late", 1)
+        time.sleep(0.5)
+        assert writer.poll() is None  # blocked on our lock
+        assert path.read_bytes() == before
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    _, err = writer.communicate(timeout=CLI_TIMEOUT_S)
+    assert writer.returncode == 0, err
+    assert store.get("my-service", "late-0") is not None
+    assert store.get("my-service", "tmpl-abc123") is not None
+
+
+# Dies between writing (and fsyncing) the temporary file and renaming it over the store.
+KILLED_WRITER = """
+import os, sys, time
+from supervisor import onboarding_store
+def stop_before_rename(src, dst):
+    print(src, flush=True)
+    time.sleep(600)
+onboarding_store.os.replace = stop_before_rename
+""" + WRITER
+
+
+def test_a_writer_killed_mid_write_leaves_the_old_file_intact(tmp_path: Path) -> None:
+    path = tmp_path / "store.json"
+    store = JsonFileOnboardingStore(path)
+    store.upsert(record())
+    before = path.read_bytes()
+    writer = start_writer(path, "doomed", 1, script=KILLED_WRITER)
+    assert writer.stdout is not None
+    temp = Path(writer.stdout.readline().strip())
+    try:
+        # The new content is complete on disk, but only in the temporary file.
+        staged = json.loads(temp.read_text())
+        assert {r["templateId"] for r in staged["records"]} == {"tmpl-abc123", "doomed-0"}
+        assert temp.parent == path.parent
+        assert path.read_bytes() == before
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.communicate(timeout=CLI_TIMEOUT_S)
+    assert path.read_bytes() == before
+    assert [r.templateId for r in store.records()] == ["tmpl-abc123"]
+    # The dead writer's lock died with it, and its leftover is cleaned by the next writer.
+    started = time.monotonic()
+    store.upsert(record(templateId="after"))
+    assert time.monotonic() - started < 5
+    assert not temp.exists()
+    assert {r.templateId for r in store.records()} == {"tmpl-abc123", "after"}

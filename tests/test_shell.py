@@ -1,0 +1,316 @@
+"""execute_shell_command through a real daemon: real processes, pipes, signals, spool
+(PROTOCOL 7.3, 8, 10)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import signal
+import uuid
+
+import pytest
+import trio
+
+from supervisor.runtime.processes import group_members, read_stat
+from testing.daemon import in_process_daemon, make_layout
+
+
+@pytest.fixture
+async def session(daemon):
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        yield session
+
+
+async def run(session, command: str, *, key: str | None = None, **params) -> dict:
+    return await session.call_and_wait(
+        "execute_shell_command",
+        {"command": command, **params},
+        idempotency_key=key or f"k-{uuid.uuid4()}",
+    )
+
+
+def events_of(session, call_id: str, kind: str) -> list[dict]:
+    return [
+        f["body"]
+        for seq, f in sorted(session.client.state.events.items())
+        if f["kind"] == kind and f["body"].get("call_id") == call_id
+    ]
+
+
+async def run_collect(session, command: str, timeout: float = 20, **params):
+    """Run and wait for the result; return (result body, call_id)."""
+    call_id = await session.call(
+        "execute_shell_command", {"command": command, **params}, idempotency_key=f"k-{uuid.uuid4()}"
+    )
+    return await session.result(call_id, timeout=timeout), call_id
+
+
+async def read_all(session, call_id: str, stream: str) -> bytes:
+    data = bytearray()
+    while True:
+        await session.send(
+            "exec.read_output", {"call_id": call_id, "stream": stream, "offset": len(data), "length": 65536}
+        )
+        page = await session.receive_until(lambda f: f["kind"] == "exec.output_page")
+        chunk = base64.b64decode(page["body"]["data"])
+        data += chunk
+        if page["body"]["eof"]:
+            return bytes(data)
+        assert chunk, "an empty page that is not eof"
+
+
+# --- results --------------------------------------------------------------------------------
+
+
+async def test_exit_code_and_stream_separation(session):
+    result, call_id = await run_collect(session, "echo out; echo err >&2; exit 3")
+    assert result["ok"] is True
+    body = result["result"]
+    assert body["exit_code"] == 3 and body["signal"] is None and body["timed_out"] is False
+    assert body["stdout"]["head"] == "out\n" and body["stdout"]["bytes"] == 4
+    assert body["stderr"]["head"] == "err\n"
+    started = events_of(session, call_id, "exec.started")
+    completed = events_of(session, call_id, "exec.completed")
+    assert len(started) == 1 and len(completed) == 1
+    assert started[0]["pgid"] == started[0]["pid"]
+    assert started[0]["context"]["session_id"] == "session-1"
+    assert completed[0]["interrupted"] is False
+    # exec.completed precedes tool.result, and every exec event precedes both.
+    kinds = [f["kind"] for s, f in sorted(session.client.state.events.items()) if f["body"].get("call_id") == call_id]
+    assert kinds[0] == "exec.started" and kinds[-2:] == ["exec.completed", "tool.result"]
+
+
+async def test_killed_by_signal_is_still_ok(session):
+    result, _ = await run_collect(session, "kill -KILL $$")
+    assert result["ok"] is True
+    assert result["result"]["exit_code"] is None and result["result"]["signal"] == "SIGKILL"
+
+
+async def test_environment_is_isolated_from_the_daemon(tmp_path, authority, monkeypatch):
+    monkeypatch.setenv("CANARY_SECRET", "canary-9f3b")
+    layout = make_layout(tmp_path / "d", authority=authority)
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with client.connect() as session:
+            body = {"sessionId": client.session_id, "agent": {"cwd": str(layout.workspace), "profile": "default", "env": {"AGENT_VAR": "agent", "BOTH": "agent"}}, "repositories": []}
+            await session.bootstrap(body)
+            result, _ = await run_collect(session, "env", env={"CALL_VAR": "call", "BOTH": "call"})
+    out = result["result"]["stdout"]["head"]
+    assert "canary-9f3b" not in out and "CANARY_SECRET" not in out
+    lines = set(out.splitlines())
+    assert {"AGENT_VAR=agent", "CALL_VAR=call", "BOTH=call", "LANG=C.UTF-8"} <= lines
+
+
+async def test_cwd_parameter_and_jail(daemon, session):
+    (daemon.layout.workspace / "sub").mkdir()
+    result, _ = await run_collect(session, "pwd", cwd="sub")
+    assert result["result"]["stdout"]["head"].strip() == str((daemon.layout.workspace / "sub").resolve())
+    escaped, _ = await run_collect(session, "pwd", cwd="..")
+    assert escaped["ok"] is False and escaped["error"]["code"] == "path_outside_workspace"
+
+
+async def test_too_many_processes(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"max_processes": 2})
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            slow = [
+                await session.call("execute_shell_command", {"command": "sleep 5"}, idempotency_key=f"s{i}")
+                for i in range(2)
+            ]
+            await session.receive_until(lambda f: f["kind"] == "exec.started" and f["body"]["call_id"] == slow[1])
+            third, _ = await run_collect(session, "true")
+            assert third["ok"] is False and third["error"]["code"] == "too_many_processes"
+            for call_id in slow:
+                await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
+            for call_id in slow:
+                assert (await session.result(call_id))["result"]["signal"] == "SIGKILL"
+
+
+async def test_allowed_commands_guard(daemon):
+    client = daemon.client()
+    async with client.connect(claim_overrides={"allowed_commands": ["echo", "ls"]}) as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        ok, _ = await run_collect(session, "FOO=1 echo hi | ls")
+        assert ok["ok"] is True
+        refused, _ = await run_collect(session, "echo hi && rm -rf x")
+        assert refused["ok"] is False and refused["error"]["code"] == "forbidden"
+        assert "rm" in refused["error"]["message"]
+        substituted, _ = await run_collect(session, "echo $(whoami)")
+        assert substituted["error"]["code"] == "forbidden"
+
+
+# --- live output ----------------------------------------------------------------------------
+
+
+async def test_chatty_command_is_throttled_and_offsets_are_exact(session):
+    # 40 lines, one every 10 ms: far more writes than throttle windows (150 ms).
+    command = "for i in $(seq 1 40); do echo line-$i; sleep 0.01; done"
+    result, call_id = await run_collect(session, command)
+    outputs = events_of(session, call_id, "exec.output")
+    assert 1 < len(outputs) < 20
+    expected = "".join(f"line-{i}\n" for i in range(1, 41))
+    offset = 0
+    for event in outputs:
+        assert event["offset"] == offset and event["dropped_bytes"] == 0
+        offset += event["bytes"]
+    assert "".join(e["text"] for e in outputs) == expected
+    assert result["result"]["stdout"]["bytes"] == len(expected)
+
+
+async def test_overflowing_live_buffer_reports_dropped_bytes(tmp_path, authority):
+    layout = make_layout(
+        tmp_path / "d",
+        authority=authority,
+        exec={"output_buffer_bytes": 8192, "output_max_chunk_bytes": 4096, "output_throttle_ms": 200},
+    )
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            result, call_id = await run_collect(session, "head -c 300000 /dev/zero | tr '\\0' 'a'; sleep 0.3; echo tail")
+            outputs = events_of(session, call_id, "exec.output")
+            full = await read_all(session, call_id, "stdout")
+    assert any(e["truncated"] and e["dropped_bytes"] > 0 for e in outputs)
+    offset = 0
+    for event in outputs:
+        assert event["offset"] == offset + event["dropped_bytes"]
+        offset = event["offset"] + event["bytes"]
+    assert offset == 300005
+    assert sum(e["bytes"] + e["dropped_bytes"] for e in outputs) == 300005
+    assert full == b"a" * 300000 + b"tail\n"  # the spool has every byte
+    assert result["result"]["stdout"]["bytes"] == 300005
+
+
+async def test_multibyte_characters_are_never_split(tmp_path, authority):
+    layout = make_layout(
+        tmp_path / "d", authority=authority, exec={"output_max_chunk_bytes": 1000, "output_throttle_ms": 20}
+    )
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            # 3-byte and 4-byte characters: 1000 is a multiple of neither.
+            text = ("€" * 700 + "😀" * 500) * 3
+            (layout.workspace / "u.txt").write_text(text)
+            result, call_id = await run_collect(session, "cat u.txt")
+    outputs = events_of(session, call_id, "exec.output")
+    assert len(outputs) > 5
+    assert all("\ufffd" not in e["text"] for e in outputs)
+    assert "".join(e["text"] for e in outputs) == text
+
+
+# --- spool ----------------------------------------------------------------------------------
+
+
+async def test_read_output_returns_exact_bytes_after_reconnect_and_restart(layout):
+    payload = os.urandom(5 * 1024 * 1024)
+    (layout.workspace / "random.bin").write_bytes(payload)
+    digest = hashlib.sha256(payload).hexdigest()
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            result, call_id = await run_collect(session, "cat random.bin; echo done >&2")
+            assert result["result"]["stdout"]["bytes"] == len(payload)
+            assert hashlib.sha256(await read_all(session, call_id, "stdout")).hexdigest() == digest
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            assert hashlib.sha256(await read_all(session, call_id, "stdout")).hexdigest() == digest
+    async with in_process_daemon(layout) as daemon:
+        client.endpoint = daemon.unix
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            assert hashlib.sha256(await read_all(session, call_id, "stdout")).hexdigest() == digest
+            assert await read_all(session, call_id, "stderr") == b"done\n"
+            await session.send("exec.read_output", {"call_id": str(uuid.uuid4()), "stream": "stdout", "offset": 0, "length": 10})
+            frame = await session.receive_until(lambda f: f["kind"] == "error")
+            assert frame["body"]["code"] == "unknown_call"
+
+
+# --- signals, timeouts, process groups --------------------------------------------------------
+
+
+def assert_group_gone(pgid: int) -> None:
+    assert group_members(pgid) == [], f"processes left in group {pgid}"
+
+
+async def test_timeout_kills_grandchild_that_ignores_sigterm(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"kill_grace_ms": 300})
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            command = "bash -c 'trap \"\" TERM; echo child-ready; sleep 30' & echo started; wait"
+            result, call_id = await run_collect(session, command, timeout_ms=500)
+            started = events_of(session, call_id, "exec.started")[0]
+    body = result["result"]
+    assert body["timed_out"] is True
+    assert "started" in body["stdout"]["head"]
+    with trio.fail_after(3):
+        while group_members(started["pgid"]):
+            await trio.sleep(0.02)
+    assert_group_gone(started["pgid"])
+    assert read_stat(started["pid"]) is None  # reaped: not even a zombie
+
+
+async def test_sigint_reaches_the_group_and_completion_is_once(daemon, session):
+    marker = daemon.layout.workspace / "got-int"
+    command = f"trap 'echo int >> {marker}; exit 130' INT; sleep 0.1 & echo ready; while true; do sleep 0.05; done"
+    call_id = await session.call("execute_shell_command", {"command": command}, idempotency_key="sig")
+    started = await session.receive_until(lambda f: f["kind"] == "exec.started")
+    await session.receive_until(lambda f: f["kind"] == "exec.output" and "ready" in f["body"]["text"])
+    for _ in range(5):
+        await session.send("exec.signal", {"call_id": call_id, "signal": "SIGINT"})
+    result = await session.result(call_id)
+    assert result["ok"] is True and result["result"]["exit_code"] == 130
+    await session.send("exec.signal", {"call_id": call_id, "signal": "SIGTERM"})
+    frame = await session.receive_until(lambda f: f["kind"] == "error")
+    assert frame["body"]["code"] == "not_running"
+    await session.call_and_wait("read_file", {"path": "got-int"})  # flush the journal
+    assert len(events_of(session, call_id, "exec.completed")) == 1
+    assert marker.read_text().count("int") >= 1
+    assert_group_gone(started["body"]["pgid"])
+
+
+async def test_background_descendant_output_after_completion(session):
+    command = "echo first; (sleep 0.6; echo later) &"
+    result, call_id = await run_collect(session, command)
+    assert result["result"]["stdout"]["head"] == "first\n"
+    later = await session.receive_until(
+        lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == call_id and "later" in f["body"]["text"]
+    )
+    assert later["body"]["after_exit"] is True
+    assert later["body"]["offset"] == len("first\n")
+    before = [e for e in events_of(session, call_id, "exec.output") if not e["after_exit"]]
+    assert all("later" not in e["text"] for e in before)
+
+
+# --- exactly once -----------------------------------------------------------------------------
+
+
+async def test_retried_shell_call_does_not_run_again(daemon, session):
+    counter = daemon.layout.workspace / "count"
+    params = {"command": f"echo x >> {counter}; sleep 0.3"}
+    first = await session.call("execute_shell_command", params, idempotency_key="once")
+    second = await session.call("execute_shell_command", params, idempotency_key="once")
+    pending = await session.receive_until(lambda f: f["kind"] == "tool.pending")
+    assert pending["body"]["call_id"] == second
+    assert (await session.result(first))["ok"] is True
+    third = await session.call("execute_shell_command", params, idempotency_key="once")
+    replay = await session.receive_until(lambda f: f["kind"] == "tool.replayed")
+    assert replay["body"]["call_id"] == third
+    assert counter.read_text() == "x\n"
+
+
+async def test_a_call_id_is_one_execution(session):
+    call_id = str(uuid.uuid4())
+    first = await session.call("execute_shell_command", {"command": "echo one"}, idempotency_key="first", call_id=call_id)
+    assert (await session.result(first))["ok"] is True
+    again = await session.call("execute_shell_command", {"command": "echo two"}, idempotency_key="second", call_id=call_id)
+    frame = await session.receive_until(
+        lambda f: f["kind"] == "tool.result" and f["body"]["idempotency_key"] == "second"
+    )
+    assert again == call_id
+    assert frame["body"]["ok"] is False and frame["body"]["error"]["code"] == "invalid_parameters"
+    assert await read_all(session, call_id, "stdout") == b"one\n"
