@@ -7,6 +7,7 @@ reference client plays the control plane.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import sys
 import tempfile
@@ -39,6 +40,65 @@ class Narrator:
 
     def detail(self, text: str) -> None:
         print(f"      {text}", file=self.out, flush=True)
+
+
+def is_output(frame: dict, call_id: str) -> bool:
+    return frame.get("kind") == "exec.output" and frame["body"]["call_id"] == call_id
+
+
+async def run_shell_steps(n: Narrator, session) -> None:
+    # Output streams live, throttled, while the command runs.
+    command = "for i in 1 2 3 4; do echo tick $i; sleep 0.2; done"
+    call_id = await session.call("execute_shell_command", {"command": command}, idempotency_key="demo-ticks")
+    n.say(f"execute_shell_command {command!r}")
+    while True:
+        frame = await session.receive()
+        if is_output(frame, call_id):
+            for line in frame["body"]["text"].splitlines():
+                n.detail(f"live {frame['body']['stream']}: {line}")
+        elif frame.get("kind") == "tool.result" and frame["body"]["call_id"] == call_id:
+            n.detail(f"tool.result: exit_code {frame['body']['result']['exit_code']}")
+            break
+
+    # An interrupt reaches the command's whole process group.
+    call_id = await session.call(
+        "execute_shell_command", {"command": "echo waiting for SIGINT; sleep 30"}, idempotency_key="demo-int"
+    )
+    await session.receive_until(lambda f: is_output(f, call_id))
+    await session.send("exec.signal", {"call_id": call_id, "signal": "SIGINT"})
+    result = await session.result(call_id)
+    n.say(f"exec.signal SIGINT to 'sleep 30' -> ended by {result['result']['signal']}")
+
+    # A timeout: SIGTERM to the group, SIGKILL after the grace.
+    result = await session.call_and_wait(
+        "execute_shell_command", {"command": "sleep 30", "timeout_ms": 500}, idempotency_key="demo-timeout"
+    )
+    n.say(
+        f"'sleep 30' with timeout_ms 500 -> timed_out {result['result']['timed_out']}, "
+        f"signal {result['result']['signal']}, {result['result']['duration_ms']} ms"
+    )
+
+    # More output than the live view keeps: the spool has every byte.
+    call_id = await session.call(
+        "execute_shell_command", {"command": "seq 1 200000"}, idempotency_key="demo-seq"
+    )
+    result = await session.result(call_id)
+    live = sum(f["body"]["bytes"] for f in session.client.state.events.values() if is_output(f, call_id))
+    data = bytearray()
+    while True:
+        await session.send(
+            "exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": len(data), "length": 65536}
+        )
+        page = await session.receive_until(lambda f: f.get("kind") == "exec.output_page")
+        data += base64.b64decode(page["body"]["data"])
+        if page["body"]["eof"]:
+            break
+    lines = data.decode().split()
+    assert lines == [str(i) for i in range(1, 200001)]
+    n.say(
+        f"'seq 1 200000' -> {result['result']['stdout']['bytes']} bytes; live events carried {live}, "
+        f"exec.read_output paged back all {len(data)} (200000 lines, exact)"
+    )
 
 
 async def run_demo(root: Path, out=sys.stdout) -> int:
@@ -84,6 +144,7 @@ async def run_demo(root: Path, out=sys.stdout) -> int:
                 f"apply_file_patch README.md -> ok, {patched['result']['old_sha'][:12]} -> "
                 f"{patched['result']['new_sha'][:12]}"
             )
+            await run_shell_steps(n, session)
             await session.ack()
             n.detail(f"acked through seq {client.state.acked}")
 

@@ -250,6 +250,7 @@ class CallRunner:
             tool=call.tool_name,
             ok=body["ok"],
             error=None if body["ok"] else body["error"]["code"],
+            exit_code=(body.get("result") or {}).get("exit_code"),
             duration_ms=round((time.monotonic() - started) * 1000, 3),
             session_id=running.context.session_id,
             generation=running.context.generation,

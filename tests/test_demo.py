@@ -1,0 +1,29 @@
+"""`sandbox-supervisor demo` runs as a new user runs it, and shows what it promises."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_demo_runs_a_whole_session_and_exits_0():
+    completed = subprocess.run(
+        [sys.executable, "-m", "supervisor", "demo"], capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    out = completed.stdout
+    for promise in (
+        "401 invalid_authority",
+        "runtime.state ready",
+        "read_file README.md",
+        "apply_file_patch README.md -> ok",
+        "live stdout: tick 4",
+        "ended by SIGINT",
+        "timed_out True",
+        "200000 lines, exact",
+        "tool.result of the lost call arrives (ok: True)",
+        "tool.replayed",
+        "written exactly once",
+        "exited with status 0",
+    ):
+        assert promise in out, promise

@@ -1,0 +1,101 @@
+"""What must never leak, and what commands must not inherit: a canary secret in the daemon's
+environment, in the assertion and in call environments never reaches logs, frames or the
+health route; commands do not inherit the daemon's OOM protection."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from testing.client import http_request
+from testing.daemon import DaemonProcess, make_layout
+
+CANARY = "canary-7d1e0c9b"
+EVENT_NAME = re.compile(r"""(?:log|bound_log|self\.log)\.(?:info|warning|error|exception|debug)\(\s*"([a-z_.-]+)"|safe_log\(\s*log,\s*"([a-z_.-]+)\"""")
+
+
+async def test_canary_never_reaches_logs_frames_or_health(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout, env={"DAEMON_SECRET": CANARY})
+    running = await process.start()
+    client = running.client()
+    frames = []
+    try:
+        async with client.connect() as session:
+            body = {
+                "sessionId": client.session_id,
+                "agent": {"cwd": str(layout.workspace), "profile": "default", "env": {"AGENT_SECRET": CANARY}},
+                "repositories": [],
+            }
+            await session.bootstrap(body)
+            result = await session.call_and_wait(
+                "execute_shell_command",
+                {"command": "true", "env": {"CALL_SECRET": CANARY}},
+                idempotency_key="quiet",
+            )
+            assert result["ok"] is True
+            env_dump = await session.call_and_wait(
+                "execute_shell_command", {"command": "env"}, idempotency_key="env"
+            )
+            health = await http_request(running.tcp, "GET", "/healthz")
+            frames = list(client.state.events.values())
+        # The assertion itself: a fresh token carries the canary as its jti.
+        token = client.mint(generation=99, attempt_id="a-canary", ack_floor=0, jti=CANARY)
+        async with client.connect(generation=99, attempt_id="a-canary", ack_floor=0, assertion=token):
+            pass
+    finally:
+        assert await process.stop() == 0
+    log = process.log_text()
+    assert log, "the daemon logged nothing"
+    assert CANARY not in log
+    assert token not in log
+    assert CANARY not in health.body.decode()
+    # The daemon's own secret never reaches a command; the agent's value does (it is its env).
+    out = env_dump["result"]["stdout"]["head"]
+    assert "DAEMON_SECRET" not in out and f"AGENT_SECRET={CANARY}" in out
+    assert all("DAEMON_SECRET" not in json.dumps(frame) for frame in frames)
+    # Every log line is a JSON object with the fixed fields.
+    for line in log.splitlines():
+        event = json.loads(line)
+        assert {"event", "level", "timestamp"} <= set(event)
+
+
+async def test_commands_do_not_inherit_the_daemons_oom_protection(tmp_path, authority):
+    from supervisor.oom import COMMAND_OOM_SCORE_ADJ, read_oom_score_adj
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        daemon_value = read_oom_score_adj(process.proc.pid)
+        async with running.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            result = await session.call_and_wait(
+                "execute_shell_command",
+                {"command": "cat /proc/self/oom_score_adj; bash -c 'cat /proc/self/oom_score_adj'"},
+                idempotency_key="oom",
+            )
+    finally:
+        assert await process.stop() == 0
+    values = [int(v) for v in result["result"]["stdout"]["head"].split()]
+    assert values == [COMMAND_OOM_SCORE_ADJ, COMMAND_OOM_SCORE_ADJ]
+    assert daemon_value != COMMAND_OOM_SCORE_ADJ
+
+
+def test_every_log_event_is_in_the_readme_vocabulary():
+    """The README documents a fixed vocabulary of log events; a new event name in the code
+    must be added there."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    names = set()
+    for folder, _, files in os.walk(os.path.join(root, "supervisor")):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name)) as handle:
+                    for match in EVENT_NAME.finditer(handle.read()):
+                        names.add(match.group(1) or match.group(2))
+    with open(os.path.join(root, "README.md")) as handle:
+        readme = handle.read()
+    assert len(names) > 20
+    missing = sorted(name for name in names if f"`{name}`" not in readme)
+    assert missing == []

@@ -1,0 +1,109 @@
+"""sd_notify against a real AF_UNIX datagram socket, with the daemon as a real subprocess
+(READY, STATUS, WATCHDOG cadence, STOPPING; no READY when the configuration is bad)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+
+import trio
+
+from testing.client import Endpoint, http_request
+from testing.daemon import DaemonProcess, make_layout
+
+WATCHDOG_USEC = 400_000  # pings expected every 0.2 s
+
+
+class NotifyListener:
+    """Plays systemd's side of sd_notify: one datagram per message."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+        self.sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.messages: list[tuple[float, str]] = []
+
+    async def bind(self) -> None:
+        await self.sock.bind(self.path)
+
+    async def next(self, timeout: float = 20) -> str:
+        with trio.fail_after(timeout):
+            data = await self.sock.recv(4096)
+        text = data.decode()
+        self.messages.append((trio.current_time(), text))
+        return text
+
+    async def until(self, line: str, timeout: float = 20) -> None:
+        with trio.fail_after(timeout):
+            while line not in (await self.next(timeout)).split("\n"):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def test_ready_watchdog_and_stopping(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority)
+    listener = NotifyListener(tmp_path / "notify.sock")
+    await listener.bind()
+    process = DaemonProcess(layout, env={"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)})
+    try:
+        await process.start(wait_ready=False)
+        await listener.until("READY=1")
+        # READY means the listeners answer: health over both, without waiting any further.
+        listening = json.loads((layout.state_dir / "listening.json").read_text())
+        for endpoint in (Endpoint.parse(listening["tcp"][0]), Endpoint(unix=listening["unix"][0])):
+            assert (await http_request(endpoint, "GET", "/healthz")).status == 200
+        assert any("STATUS=" in text for _, text in listener.messages)
+
+        pings = []
+        with trio.move_on_after(1.3):
+            while True:
+                if await listener.next() == "WATCHDOG=1":
+                    pings.append(trio.current_time())
+        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        assert len(pings) >= 4
+        assert all(0.1 < gap < 0.4 for gap in gaps), gaps  # half of WATCHDOG_USEC, roughly
+
+        process.send_signal(signal.SIGTERM)
+        await listener.until("STOPPING=1")
+        assert await process.wait() == 0
+    finally:
+        listener.close()
+        if process.proc is not None and process.proc.poll() is None:
+            await process.kill()
+
+
+async def test_no_ready_when_the_configuration_is_invalid(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority)
+    layout.jwks_file.write_text(json.dumps({"keys": [authority.signing_jwk()]}))  # a private key
+    listener = NotifyListener(tmp_path / "notify.sock")
+    await listener.bind()
+    process = DaemonProcess(layout, env={"NOTIFY_SOCKET": listener.path})
+    try:
+        await process.start(wait_ready=False)
+        assert await process.wait(timeout=15) == 2
+        with trio.move_on_after(0.3):
+            while True:
+                await listener.next()
+        assert all("READY=1" not in text for _, text in listener.messages)
+    finally:
+        listener.close()
+
+
+async def test_terminated_daemon_reports_stopping_at_start(tmp_path, authority):
+    from supervisor.store import StateStore
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    with StateStore.open(layout.state_dir) as store:
+        store.mark_terminated("session_binding_mismatch", "test", 0.0)
+    listener = NotifyListener(tmp_path / "notify.sock")
+    await listener.bind()
+    process = DaemonProcess(layout, env={"NOTIFY_SOCKET": listener.path})
+    try:
+        await process.start(wait_ready=False)
+        await listener.until("STOPPING=1")
+        assert await process.wait(timeout=15) == 78
+        assert all("READY=1" not in text for _, text in listener.messages)
+    finally:
+        listener.close()
