@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import ValidationError
 
 from protocol.onboarding import TemplateOnboarding
+from supervisor.fsutil import fsync_directory
 
 STORE_FORMAT = "sandbox-supervisor-onboarding/1"
 LOCK_SUFFIX = ".lock"
@@ -134,7 +135,7 @@ class JsonFileOnboardingStore:
             except FileNotFoundError:
                 pass
             raise
-        _fsync_directory(directory)
+        fsync_directory(directory)
 
     def _remove_stale_temporaries(self) -> None:
         # Temporaries exist only while a writer holds the lock; we hold it now, so any left
@@ -157,10 +158,3 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _fsync_directory(directory: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -34,3 +34,12 @@ async def daemon(layout):
 @pytest.fixture(params=["tcp", "unix"])
 def transport(request) -> str:
     return request.param
+
+
+@pytest.fixture
+async def session(daemon):
+    """A bootstrapped control session on the in-process daemon (agent.cwd = the workspace)."""
+    client = daemon.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        yield session

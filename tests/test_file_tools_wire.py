@@ -23,14 +23,6 @@ def unified(path: str, old: str, new: str) -> str:
     )
 
 
-@pytest.fixture
-async def session(daemon):
-    client = daemon.client()
-    async with client.connect() as session:
-        await session.bootstrap(cwd=str(daemon.layout.workspace))
-        yield session
-
-
 def patch_params(path: str, old: str | None, new: str | None) -> dict:
     if old is None:
         diff = unified(path, "", new).replace(f"--- a/{path}", "--- /dev/null", 1)

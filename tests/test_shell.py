@@ -16,14 +16,6 @@ from supervisor.runtime.processes import group_members, read_stat
 from testing.daemon import in_process_daemon, make_layout
 
 
-@pytest.fixture
-async def session(daemon):
-    client = daemon.client()
-    async with client.connect() as session:
-        await session.bootstrap(cwd=str(daemon.layout.workspace))
-        yield session
-
-
 async def run(session, command: str, *, key: str | None = None, **params) -> dict:
     return await session.call_and_wait(
         "execute_shell_command",

@@ -61,6 +61,7 @@ from protocol.frames import PatchResult
 from protocol.tools import ApplyFilePatchParams
 from supervisor.runtime.failures import ToolFailure
 from supervisor.runtime.files import check_regular_file
+from supervisor.fsutil import fsync_directory
 
 __all__ = [
     "NEW_FILE_MODE",
@@ -477,7 +478,7 @@ def commit_patch(plan: PatchPlan) -> None:
     directory = plan.path.parent
     if plan.new_bytes is None:
         os.unlink(plan.path)
-        _fsync_directory(directory)
+        fsync_directory(directory)
         return
     _make_directories(directory)
     temp = directory / _temp_name(plan.path.name)
@@ -499,7 +500,7 @@ def commit_patch(plan: PatchPlan) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def _temp_name(name: str) -> str:
@@ -522,15 +523,7 @@ def _make_directories(directory: Path) -> None:
         except FileExistsError:
             if not new.is_dir():
                 raise
-        _fsync_directory(new.parent)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_directory(new.parent)
 
 
 RecoveryOutcome = Literal["applied", "apply_now", "interrupted"]
