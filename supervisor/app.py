@@ -111,6 +111,9 @@ class Supervisor:
         self.lifecycle = Lifecycle.TERMINATED if store.snapshot().terminated else Lifecycle.SERVING
         self.started_monotonic = time.monotonic()
         self.admissions = 0
+        # The daemon is the fence's only writer, so the fenced generation is kept here too:
+        # every frame is checked against it, and a sqlite read per frame would be waste.
+        self.fence_generation = store.snapshot().fence_generation
         self.stop_requested = trio.Event()
         self.stop: StopRequest | None = None
         ws = config.websocket
@@ -221,6 +224,7 @@ class Supervisor:
                     jti_expires_at=decision.claims.exp + self.verifier_settings.leeway_s,
                     now=now,
                 )
+                self.fence_generation = decision.headers.generation
                 self.admissions += 1
                 decision = dataclasses.replace(decision, admission=self.admissions)
         except StoreError as exc:
@@ -366,7 +370,7 @@ class Supervisor:
             return
         # Replay starts after the floor the client declared in its upgrade; the same cursor
         # then follows the journal live, so the seam cannot skip or repeat an event.
-        sender = SocketSender(conn.ws, self.journal, cursor=conn.headers.event_ack)
+        sender = SocketSender(conn.ws, self.journal, cursor=conn.headers.event_ack, telemetry=self.telemetry)
         await RuntimeHandler(self, conn, bound_log, sender).run()
 
     async def handle_bootstrap(

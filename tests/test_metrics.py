@@ -108,3 +108,47 @@ def test_each_daemon_has_its_own_registry() -> None:
     assert samples(first)[("sandbox_supervisor_upgrades_total", (("outcome", "accepted"),))] == 1
     assert ("sandbox_supervisor_upgrades_total", (("outcome", "accepted"),)) not in samples(second)
     assert b"sandbox_supervisor" not in generate_latest(REGISTRY)  # the global one is untouched
+
+
+
+async def test_metrics_route_of_a_running_daemon(tmp_path, authority):
+    """GET /metrics on the daemon's own listeners, after real traffic of every kind counted."""
+    import re
+
+    import pytest as _pytest
+
+    from testing.client import UpgradeRejected, http_request
+    from testing.daemon import in_process_daemon, make_layout
+
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"metrics_enabled": True})
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await session.call_and_wait("execute_shell_command", {"command": "echo hi"}, idempotency_key="m1")
+            await session.call_and_wait("read_file", {"path": "missing.txt"})
+        async with client.connect(ack_floor=0) as session:  # everything is replayed
+            await session.bootstrap(cwd=str(layout.workspace))
+            await session.call_and_wait("read_file", {"path": "missing.txt"})
+        with _pytest.raises(UpgradeRejected):
+            async with client.connect(generation=1):
+                pass
+        response = await http_request(daemon.unix, "GET", "/metrics")
+    assert response.status == 200
+    assert response.header("content-type").startswith("text/plain")
+    text = response.body.decode()
+
+    def value(pattern: str) -> float:
+        match = re.search(r"^" + pattern + r" ([0-9.e+]+)$", text, re.MULTILINE)
+        assert match, pattern
+        return float(match.group(1))
+
+    assert value(r'sandbox_supervisor_upgrades_total\{outcome="accepted"\}') == 2
+    assert value(r'sandbox_supervisor_upgrades_total\{outcome="stale_generation"\}') == 1
+    assert value(r'sandbox_supervisor_tool_calls_total\{outcome="success",tool="execute_shell_command"\}') == 1
+    assert value(r'sandbox_supervisor_tool_calls_total\{outcome="not_found",tool="read_file"\}') == 2
+    assert value(r"sandbox_supervisor_running_processes") == 0
+    assert value(r"sandbox_supervisor_spooled_bytes_total") == 3
+    assert value(r"sandbox_supervisor_replayed_events_total") >= 5
+    last_seq = value(r"sandbox_supervisor_journal_last_seq")
+    assert last_seq >= 6

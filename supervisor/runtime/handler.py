@@ -26,7 +26,7 @@ from protocol.frames import (
 from supervisor.runtime.calls import CallContext, error_frame
 from supervisor.runtime.sender import SocketSender
 from supervisor.sessions import Connection
-from supervisor.store import StoreError
+from supervisor.store import AckAhead
 
 if TYPE_CHECKING:
     from supervisor.app import Supervisor
@@ -102,20 +102,16 @@ class RuntimeHandler:
     def _may_act(self, generation: int) -> bool:
         if not (self.conn.attached and self.sup.hub.is_authoritative(self.conn)):
             return False
-        try:
-            fence = self.sup.store.snapshot().fence_generation
-        except StoreError:
-            return False
-        return generation == self.conn.generation == fence
+        return generation == self.conn.generation == self.sup.fence_generation
 
     async def _ack(self, seq: int) -> None:
-        snapshot = self.sup.store.snapshot()
-        if seq > snapshot.local_event_max:
+        try:
+            floor = self.sup.store.raise_ack_floor(seq)
+        except AckAhead:
             await self.sender.reply(
                 error_frame(errors.ACK_AHEAD, "The ack is above the highest journaled seq.")
             )
             return
-        floor = self.sup.store.raise_ack_floor(seq)
         # The client has stored everything up to its floor: those events may go.
         self.sup.store.prune_acked(floor)
 

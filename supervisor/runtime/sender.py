@@ -20,8 +20,13 @@ EVENT_BATCH = 512
 
 
 class SocketSender:
-    def __init__(self, ws: trio_websocket.WebSocketConnection, journal: Journal, cursor: int) -> None:
+    def __init__(
+        self, ws: trio_websocket.WebSocketConnection, journal: Journal, cursor: int, telemetry=None
+    ) -> None:
         self._ws = ws
+        self._telemetry = telemetry
+        # Events up to here existed when the socket attached: sending them is a replay.
+        self._replay_until = journal.store.snapshot().local_event_max
         self._journal = journal
         self.cursor = cursor  # the highest seq sent (or known to the client) so far
         self._reply_in, self._reply_out = trio.open_memory_channel[str](REPLY_QUEUE_SIZE)
@@ -47,6 +52,8 @@ class SocketSender:
                 for seq, frame in rows:
                     await self._ws.send_message(frame)
                     self.cursor = seq
+                if rows and self._telemetry is not None and rows[0][0] <= self._replay_until:
+                    self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
                 if not sent and not rows:
                     await self._wake.wait()
         except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):

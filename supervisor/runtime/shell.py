@@ -248,6 +248,8 @@ class ShellRuntime:
                 stream.spool.close()
             raise ToolFailure(errors.INTERNAL, f"The command could not be started: {exc.strerror}.") from None
         pgid = process.pid  # start_new_session: the shell leads its own group
+        if self.telemetry is not None:
+            self.telemetry.process_started()
         # Written from here right after exec, while the shell is still starting: the wrapper
         # alternative (oom.with_oom_score_adj) closes the tiny window before the shell forks,
         # but costs an extra exec on every command, a third of a `true` call's budget.
@@ -269,6 +271,8 @@ class ShellRuntime:
             await self.terminate_group(command)
         await command.process.wait()
         command.shell_exited = True
+        if self.telemetry is not None:
+            self.telemetry.process_exited()
         return timed_out
 
     async def terminate_group(self, command: Command) -> None:
@@ -306,7 +310,9 @@ class ShellRuntime:
                 data = await pipe.receive_some(READ_CHUNK_BYTES)
                 if not data:
                     break
-                stream.spool.write(data)
+                kept = stream.spool.write(data)
+                if self.telemetry is not None:
+                    self.telemetry.output_spooled(kept)
                 stream.summary.feed(data)
                 stream.live.feed(data)
                 command.wake.set()

@@ -1,0 +1,237 @@
+"""Shared pieces of the benchmark suite: the run mode, timers and statistics, the report
+line, the floor server (a subprocess), the daemon (a subprocess), and a lean call loop.
+
+Every speed figure is a ratio against a floor measured in the same run; floor and daemon
+samples are interleaved so that drift on the machine affects both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio_websocket
+
+from testing.client import ControlClient, ControlSession, Endpoint, open_websocket
+from testing.daemon import DaemonLayout, DaemonProcess, RunningDaemon, make_layout
+
+BENCH_DIR = Path(__file__).resolve().parent
+FLOOR_SERVER = BENCH_DIR / "floor_server.py"
+FRAME_TIMEOUT_S = 60.0
+ACK_EVERY = 64  # the lean client acks like a control plane would: in batches, not per event
+
+now = time.perf_counter
+
+
+# --- mode --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mode:
+    quick: bool = False
+
+    def pick(self, full: Any, quick: Any) -> Any:
+        return quick if self.quick else full
+
+
+# --- statistics and the report line ------------------------------------------------------
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def latency(samples: list[float]) -> str:
+    """"median 1.234 ms p99 2.345 ms (n=200)" of durations in seconds."""
+    return (
+        f"median {statistics.median(samples) * 1e3:.3f} ms "
+        f"p99 {percentile(samples, 99) * 1e3:.3f} ms (n={len(samples)})"
+    )
+
+
+@dataclass
+class Result:
+    name: str
+    measured: str  # what the daemon did, e.g. "median 2.4 ms p99 3.1 ms (n=200)"
+    floor: str  # the same for the floor
+    ratio: float  # daemon / floor (times), or daemon rate / floor rate (rates)
+    target: str  # e.g. "<= 2.5x"
+    passed: bool
+    note: str = ""
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "MISS"
+        text = (
+            f"BENCH {self.name:<17} {self.measured} | floor {self.floor} | "
+            f"ratio {self.ratio:.2f}x | target {self.target} | {verdict}"
+        )
+        return f"{text} | {self.note}" if self.note else text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "measured": self.measured,
+            "floor": self.floor,
+            "ratio": self.ratio,
+            "target": self.target,
+            "passed": self.passed,
+            "note": self.note,
+        }
+
+
+def time_ratio_result(name: str, measured: list[float], floor: list[float], limit: float, note: str = "") -> Result:
+    """Latency benchmarks: ratio of medians, target `ratio <= limit`."""
+    ratio = statistics.median(measured) / statistics.median(floor)
+    return Result(name, latency(measured), latency(floor), ratio, f"<= {limit:g}x", ratio <= limit, note)
+
+
+# --- the floor server --------------------------------------------------------------------
+
+
+class FloorServer:
+    """bench/floor_server.py in a subprocess; `endpoint` is its loopback address."""
+
+    def __init__(self, proc: subprocess.Popen, port: int) -> None:
+        self.proc = proc
+        self.endpoint = Endpoint(tcp=("127.0.0.1", port))
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+        """A WebSocket to the floor, opened exactly as the reference client opens the
+        daemon's (testing.client.open_websocket: same buffers and limits)."""
+        async with open_websocket(self.endpoint, "/floor", []) as ws:
+            yield ws
+
+
+@asynccontextmanager
+async def floor_server() -> AsyncIterator[FloorServer]:
+    proc = subprocess.Popen(
+        [sys.executable, str(FLOOR_SERVER)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        text=True,
+    )
+    try:
+        line = await trio.to_thread.run_sync(proc.stdout.readline)
+        if not line.strip():
+            raise RuntimeError(f"the floor server did not start (exit {proc.wait()})")
+        yield FloorServer(proc, int(line))
+    finally:
+        proc.stdin.close()  # it exits when its stdin closes
+        try:
+            await trio.to_thread.run_sync(proc.wait, 5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def echo(ws: trio_websocket.WebSocketConnection, text: str) -> Any:
+    """One echo round trip; the answer is parsed as the daemon's answers are."""
+    await ws.send_message(text)
+    return json.loads((await ws.get_message())[1:])
+
+
+def echo_text(frame: dict) -> str:
+    """An echo message carrying `frame` (the same JSON a daemon call would carry)."""
+    return "E" + json.dumps(frame, separators=(",", ":"))
+
+
+# --- the daemon --------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def daemon(root: Path, **settings: dict[str, Any]) -> AsyncIterator[tuple[DaemonProcess, RunningDaemon]]:
+    """`python -m supervisor serve` on fresh directories under `root` (as in production:
+    its own process and event loop); SIGTERM on leaving."""
+    layout = make_layout(root, **settings)
+    process = DaemonProcess(layout)
+    try:
+        running = await process.start()
+        assert running is not None
+        yield process, running
+    except BaseException:
+        sys.stderr.write(f"--- daemon log ({process.log_path}) ---\n{process.log_text()[-4000:]}\n")
+        raise
+    finally:
+        try:
+            await process.stop()
+        except trio.TooSlowError:
+            await process.kill()
+
+
+def workspace(layout: DaemonLayout) -> str:
+    return str(layout.workspace)
+
+
+def premint(client: ControlClient, ack_floor: int | None = None) -> dict[str, Any]:
+    """Arguments for `client.connect(**…)` with the assertion already signed, so that the
+    client's own ES256 signing stays outside the timed region (the daemon's verification
+    is inside it)."""
+    generation = client.state.generation + 1
+    attempt_id = f"attempt-{uuid.uuid4()}"
+    ack = client.state.ack_floor if ack_floor is None else ack_floor
+    token = client.mint(generation=generation, attempt_id=attempt_id, ack_floor=ack)
+    return {"generation": generation, "attempt_id": attempt_id, "ack_floor": ack, "assertion": token}
+
+
+class Driver:
+    """A lean call loop over a ControlSession.
+
+    `ControlSession.result()` looks the answer up in every event stored so far, which costs
+    O(events) per call on the client; over thousands of calls that would be measured as the
+    daemon's time. This loop sends with `ControlSession.call` and reads frames itself, keeping
+    only the highest seq, and acks every ACK_EVERY events (outside any timed region).
+    """
+
+    def __init__(self, session: ControlSession) -> None:
+        self.session = session
+        self.max_seq = 0
+        self.acked = 0
+
+    async def call(self, tool_name: str, parameters: dict, *, key: str | None = None) -> dict:
+        call_id = await self.session.call(tool_name, parameters, idempotency_key=key)
+        return await self.wait_result(call_id)
+
+    async def wait_result(self, call_id: str) -> dict:
+        ws = self.session.ws
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            while True:
+                frame = json.loads(await ws.get_message())
+                seq = frame.get("seq")
+                if seq is not None and seq > self.max_seq:
+                    self.max_seq = seq
+                kind = frame["kind"]
+                if kind == "tool.result" and frame["body"]["call_id"] == call_id:
+                    return frame["body"]
+                if kind == "error":
+                    raise RuntimeError(f"error frame: {frame['body']}")
+
+    async def maybe_ack(self) -> None:
+        if self.max_seq - self.acked >= ACK_EVERY:
+            await self.session.ack(self.max_seq)
+            self.acked = self.max_seq
+
+
+def require_ok(body: dict) -> dict:
+    if not body.get("ok"):
+        raise RuntimeError(f"tool call failed: {body.get('error')}")
+    return body["result"]
+
+
+def key() -> str:
+    return f"bench-{uuid.uuid4()}"
