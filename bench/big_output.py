@@ -21,7 +21,7 @@ from pathlib import Path
 
 import trio
 
-from bench.common import Driver, Mode, Result, daemon, key, now, require_ok, workspace
+from bench.common import FRAME_TIMEOUT_S, CpuMeter, Driver, Mode, Result, daemon, key, now, require_ok, workspace
 from supervisor.runtime.spool import remove_spool, spool_dir
 
 NAME = "big_output"
@@ -40,11 +40,11 @@ def throughput(size: int, samples: list[float]) -> str:
 
 async def run(mode: Mode, workdir: Path) -> Result:
     size = mode.pick(200, 20) * MB
-    samples, warmup = mode.pick(5, 2), 1
+    samples, warmup = mode.pick(7, 2), 1
     measured: list[float] = []
     floor: list[float] = []
     waited_for_spool = 0
-    async with daemon(workdir / "daemon", exec={"spool_max_bytes": size + MB}) as (_, running):
+    async with daemon(workdir / "daemon", exec={"spool_max_bytes": size + MB}) as (process, running):
         state_dir = running.layout.state_dir
         floor_file = workdir / "floor.out"
         floor_argv = ["bash", "-c", f"{command(size)} | cat > {shlex.quote(str(floor_file))}"]
@@ -53,6 +53,8 @@ async def run(mode: Mode, workdir: Path) -> Result:
             await session.bootstrap(cwd=workspace(running.layout))
             driver = Driver(session)
             for i in range(warmup + samples):
+                if i == warmup:
+                    meter = CpuMeter(process.proc.pid)
                 started = now()
                 await trio.run_process(floor_argv)
                 elapsed_floor = now() - started
@@ -65,15 +67,16 @@ async def run(mode: Mode, workdir: Path) -> Result:
                 )
                 body = await driver.wait_result(call_id)
                 state_path = spool_dir(state_dir, call_id) / "stdout.state"
-                while True:  # the result normally comes after the spool is sealed
-                    try:
-                        state = json.loads(state_path.read_text())
-                    except FileNotFoundError:
-                        state = {"ended": False}
-                    if state["ended"]:
-                        break
-                    waited_for_spool += 1
-                    await trio.sleep(0.001)
+                with trio.fail_after(FRAME_TIMEOUT_S):
+                    while True:  # the result normally comes after the spool is sealed
+                        try:
+                            state = json.loads(state_path.read_text())
+                        except FileNotFoundError:
+                            state = {"ended": False}
+                        if state["ended"]:
+                            break
+                        waited_for_spool += 1
+                        await trio.sleep(0.001)
                 elapsed = now() - started
                 result = require_ok(body)
                 assert result["exit_code"] == 0 and result["stdout"]["bytes"] == size, result
@@ -83,6 +86,9 @@ async def run(mode: Mode, workdir: Path) -> Result:
                 if i >= warmup:
                     floor.append(elapsed_floor)
                     measured.append(elapsed)
+            meter.stop()
     ratio = statistics.median(floor) / statistics.median(measured)  # = throughput ratio
-    note = f"{size // MB} MB" + (f"; spool sealed after the result {waited_for_spool} times" if waited_for_spool else "")
+    note = f"{size // MB} MB; daemon CPU {meter.used['daemon'] / samples * 1e3:.0f} ms per command"
+    if waited_for_spool:
+        note += f"; the spool was sealed after the result ({waited_for_spool} polls)"
     return Result(NAME, throughput(size, measured), throughput(size, floor), ratio, f">= {TARGET:g}x", ratio >= TARGET, note)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,7 @@ FRAME_TIMEOUT_S = 60.0
 ACK_EVERY = 64  # the lean client acks like a control plane would: in batches, not per event
 
 now = time.perf_counter
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # --- mode --------------------------------------------------------------------------------
@@ -97,6 +99,35 @@ def time_ratio_result(name: str, measured: list[float], floor: list[float], limi
     """Latency benchmarks: ratio of medians, target `ratio <= limit`."""
     ratio = statistics.median(measured) / statistics.median(floor)
     return Result(name, latency(measured), latency(floor), ratio, f"<= {limit:g}x", ratio <= limit, note)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (/proc/PID/stat, clock-tick resolution)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+class CpuMeter:
+    """CPU time spent by the daemon and by the floor server over a whole sample loop.
+
+    Floor and daemon samples alternate and each process only works on its own samples, so
+    each process's CPU over the loop, divided by its operations, is its CPU per operation
+    (excluding child processes such as the shells it spawns).
+    """
+
+    def __init__(self, daemon_pid: int, floor_pid: int | None = None) -> None:
+        self.pids = {"daemon": daemon_pid, "floor": floor_pid}
+        self.start = {name: cpu_seconds(pid) for name, pid in self.pids.items() if pid is not None}
+        self.used: dict[str, float] = {}
+
+    def stop(self) -> None:
+        self.used = {name: cpu_seconds(self.pids[name]) - started for name, started in self.start.items()}
+
+    def per_op(self, operations: int, unit: str = "us") -> str:
+        scale = {"us": 1e6, "ms": 1e3}[unit]
+        parts = [f"{name} {used / operations * scale:.0f} {unit}" for name, used in self.used.items()]
+        return "server CPU/op: " + ", ".join(parts)
 
 
 # --- the floor server --------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.common import Mode, Result, daemon, echo, echo_text, floor_server, now, premint, time_ratio_result, workspace
+from bench.common import CpuMeter, Mode, Result, daemon, echo, echo_text, floor_server, now, premint, time_ratio_result, workspace
 from testing.client import default_bootstrap_body
 
 NAME = "connect_bootstrap"
@@ -24,10 +24,10 @@ TARGET = 2.5
 
 
 async def run(mode: Mode, workdir: Path) -> Result:
-    samples, warmup = mode.pick(200, 10), mode.pick(10, 2)
+    samples, warmup = mode.pick(300, 10), mode.pick(10, 2)
     measured: list[float] = []
     floor: list[float] = []
-    async with floor_server() as fs, daemon(workdir / "daemon") as (_, running):
+    async with floor_server() as fs, daemon(workdir / "daemon") as (process, running):
         client = running.client()
         cwd = workspace(running.layout)
         async with client.connect() as session:  # binds the session (once, not timed)
@@ -36,6 +36,8 @@ async def run(mode: Mode, workdir: Path) -> Result:
             {"kind": "session.bootstrap", "connectionGeneration": 1, "body": default_bootstrap_body(client.session_id, cwd)}
         )
         for i in range(warmup + samples):
+            if i == warmup:
+                meter = CpuMeter(process.proc.pid, fs.proc.pid)
             started = now()
             async with fs.connect() as ws:
                 await echo(ws, payload)
@@ -49,4 +51,5 @@ async def run(mode: Mode, workdir: Path) -> Result:
             if i >= warmup:
                 floor.append(elapsed_floor)
                 measured.append(elapsed)
-    return time_ratio_result(NAME, measured, floor, TARGET)
+        meter.stop()
+    return time_ratio_result(NAME, measured, floor, TARGET, meter.per_op(samples))

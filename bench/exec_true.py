@@ -12,22 +12,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.common import Driver, Mode, Result, daemon, floor_server, key, now, require_ok, time_ratio_result, workspace
+from bench.common import CpuMeter, Driver, Mode, Result, daemon, floor_server, key, now, require_ok, time_ratio_result, workspace
 
 NAME = "exec_true"
 TARGET = 1.5
 
 
 async def run(mode: Mode, workdir: Path) -> Result:
-    samples, warmup = mode.pick(300, 10), mode.pick(20, 2)
+    samples, warmup = mode.pick(500, 10), mode.pick(20, 2)
     measured: list[float] = []
     floor: list[float] = []
-    async with floor_server() as fs, daemon(workdir / "daemon") as (_, running):
+    async with floor_server() as fs, daemon(workdir / "daemon") as (process, running):
         client = running.client()
         async with fs.connect() as ws, client.connect() as session:
             await session.bootstrap(cwd=workspace(running.layout))
             driver = Driver(session)
             for i in range(warmup + samples):
+                if i == warmup:
+                    meter = CpuMeter(process.proc.pid, fs.proc.pid)
                 started = now()
                 await ws.send_message("R")
                 await ws.get_message()
@@ -41,4 +43,5 @@ async def run(mode: Mode, workdir: Path) -> Result:
                 if i >= warmup:
                     floor.append(elapsed_floor)
                     measured.append(elapsed)
-    return time_ratio_result(NAME, measured, floor, TARGET)
+            meter.stop()
+    return time_ratio_result(NAME, measured, floor, TARGET, meter.per_op(samples))

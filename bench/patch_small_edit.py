@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from bench.common import Driver, Mode, Result, daemon, floor_server, key, now, require_ok, time_ratio_result, workspace
+from bench.common import CpuMeter, Driver, Mode, Result, daemon, floor_server, key, now, require_ok, time_ratio_result, workspace
 
 NAME = "patch_small_edit"
 TARGET = 1.5
@@ -50,11 +50,11 @@ def one_line_diff(path: str, lines: list[str], index: int, new_line: str) -> str
 
 
 async def run(mode: Mode, workdir: Path) -> Result:
-    samples, warmup = mode.pick(200, 10), mode.pick(10, 2)
+    samples, warmup = mode.pick(300, 10), mode.pick(10, 2)
     measured: list[float] = []
     floor: list[float] = []
     lines = make_lines()
-    async with floor_server() as fs, daemon(workdir / "daemon") as (_, running):
+    async with floor_server() as fs, daemon(workdir / "daemon") as (process, running):
         ws_root = running.layout.workspace
         (ws_root / "big.txt").write_text("".join(lines))
         floor_file = ws_root / "floor" / "big.txt"  # same file system, its own directory
@@ -65,6 +65,8 @@ async def run(mode: Mode, workdir: Path) -> Result:
             await session.bootstrap(cwd=workspace(running.layout))
             driver = Driver(session)
             for i in range(warmup + samples):
+                if i == warmup:
+                    meter = CpuMeter(process.proc.pid, fs.proc.pid)
                 index = LINES // 2
                 old = lines[index]
                 new = old[:-2] + ("x" if old[-2] != "x" else "y") + "\n"
@@ -87,5 +89,6 @@ async def run(mode: Mode, workdir: Path) -> Result:
                 if i >= warmup:
                     floor.append(elapsed_floor)
                     measured.append(elapsed)
+            meter.stop()
         assert (ws_root / "big.txt").read_text() == "".join(lines)
-    return time_ratio_result(NAME, measured, floor, TARGET)
+    return time_ratio_result(NAME, measured, floor, TARGET, meter.per_op(samples))

@@ -12,12 +12,10 @@ total time. The ratio is daemon rate / floor rate (higher is better).
 
 from __future__ import annotations
 
-import json
-import statistics
 import uuid
 from pathlib import Path
 
-from bench.common import Driver, Mode, Result, daemon, echo, echo_text, floor_server, latency, now, require_ok, workspace
+from bench.common import CpuMeter, Driver, Mode, Result, daemon, echo, echo_text, floor_server, latency, now, require_ok, workspace
 
 NAME = "read_file_rate"
 TARGET = 0.5
@@ -25,10 +23,10 @@ FILE_BYTES = 256
 
 
 async def run(mode: Mode, workdir: Path) -> Result:
-    blocks, per_block, warmup = mode.pick(10, 2), mode.pick(300, 40), mode.pick(50, 5)
+    blocks, per_block, warmup = mode.pick(10, 2), mode.pick(400, 40), mode.pick(50, 5)
     measured: list[float] = []
     floor: list[float] = []
-    async with floor_server() as fs, daemon(workdir / "daemon") as (_, running):
+    async with floor_server() as fs, daemon(workdir / "daemon") as (process, running):
         (running.layout.workspace / "small.txt").write_text(("0123456789abcde\n" * (FILE_BYTES // 16)))
         params = {"path": "small.txt", "offset": 0}
         frame = {
@@ -42,6 +40,8 @@ async def run(mode: Mode, workdir: Path) -> Result:
             await session.bootstrap(cwd=workspace(running.layout))
             driver = Driver(session)
             for block in range(-1, blocks):  # block -1 is the warm-up
+                if block == 0:
+                    meter = CpuMeter(process.proc.pid, fs.proc.pid)
                 count = warmup if block < 0 else per_block
                 for _ in range(count):
                     started = now()
@@ -57,6 +57,7 @@ async def run(mode: Mode, workdir: Path) -> Result:
                     await driver.maybe_ack()
                     if block >= 0:
                         measured.append(elapsed)
+            meter.stop()
     measured_rate = len(measured) / sum(measured)
     floor_rate = len(floor) / sum(floor)
     ratio = measured_rate / floor_rate
@@ -67,4 +68,5 @@ async def run(mode: Mode, workdir: Path) -> Result:
         ratio,
         f">= {TARGET:g}x",
         ratio >= TARGET,
+        meter.per_op(blocks * per_block),
     )

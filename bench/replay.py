@@ -22,7 +22,7 @@ from pathlib import Path
 
 import trio
 
-from bench.common import FRAME_TIMEOUT_S, Mode, Result, daemon, floor_server, now, premint, time_ratio_result, workspace
+from bench.common import FRAME_TIMEOUT_S, CpuMeter, Mode, Result, daemon, floor_server, now, premint, time_ratio_result, workspace
 from supervisor.store import DB_FILENAME, StateStore
 from testing.daemon import DaemonProcess
 
@@ -67,7 +67,7 @@ async def receive_all(ws, first_seq: int, last_seq: int) -> None:
 
 async def run(mode: Mode, workdir: Path) -> Result:
     count = mode.pick(100_000, 5_000)
-    samples, warmup = mode.pick(3, 2), 1
+    samples, warmup = mode.pick(5, 2), 1
     root = workdir / "daemon"
 
     # Bind the session, stop the daemon, journal the events while it is down.
@@ -91,13 +91,15 @@ async def run(mode: Mode, workdir: Path) -> Result:
     floor: list[float] = []
     process = DaemonProcess(layout)
     async with floor_server() as fs:
-        running = await process.start()
-        generation = client.state.generation
-        client = running.client()  # the restarted daemon listens on a new port
-        client.state.generation = generation
         try:
+            running = await process.start()
+            generation = client.state.generation
+            client = running.client()  # the restarted daemon listens on a new port
+            client.state.generation = generation
             db = str(layout.state_dir / DB_FILENAME)
             for i in range(warmup + samples):
+                if i == warmup:
+                    meter = CpuMeter(process.proc.pid, fs.proc.pid)
                 started = now()
                 async with fs.connect() as ws:
                     await ws.send_message("P" + json.dumps({"db": db, "after": 0}))
@@ -113,7 +115,8 @@ async def run(mode: Mode, workdir: Path) -> Result:
                 if i >= warmup:
                     floor.append(elapsed_floor)
                     measured.append(elapsed)
+            meter.stop()
         finally:
             await process.stop()
-    note = f"{count:,} events of ~{frame_bytes:.0f} B"
+    note = f"{count:,} events of ~{frame_bytes:.0f} B; {meter.per_op(samples, 'ms')} per replay"
     return time_ratio_result(NAME, measured, floor, TARGET, note)

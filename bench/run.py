@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +48,24 @@ def load() -> dict:
     return {module.NAME: module for module in modules}
 
 
+def code_revision() -> str:
+    """The commit measured, and whether the daemon's sources differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "supervisor", "protocol", "testing"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return head + (f" + uncommitted changes in {', '.join(changed)}" if changed else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     benchmarks = load()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -73,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Python {platform.python_version()}",
         flush=True,
     )
-    print("# ratio = daemon / floor for times, daemon / floor for rates; floors are measured now", flush=True)
+    print(f"# code: {code_revision()}", flush=True)
+    print("# ratio: daemon time / floor time (lower is better), or daemon rate / floor rate (higher is better); every floor is measured in this run", flush=True)
 
     results: list[Result] = []
     failed = []

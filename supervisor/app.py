@@ -292,14 +292,21 @@ class Supervisor:
                 sessions.INTERNAL_REASON,
             )
         finally:
-            self.hub.forget(conn)
             code, reason = conn.close_request or (sessions.CLOSE_NORMAL, "")
-            with trio.move_on_after(CLOSE_HANDSHAKE_TIMEOUT_S) as scope:
+            # While stopping, the close handshake gets only the drain budget.
+            timeout = (
+                CLOSE_HANDSHAKE_TIMEOUT_S
+                if self.lifecycle is Lifecycle.SERVING
+                else self.config.websocket.drain_budget_s
+            )
+            with trio.move_on_after(timeout) as scope:
                 scope.shield = True
                 try:
                     await ws.aclose(code, reason)
                 except Exception:  # noqa: BLE001 - the peer may already be gone
                     pass
+            # Forgotten only once closed, so a drain waiting for all sockets waits for this.
+            self.hub.forget(conn)
             bound_log.info("socket.closed", code=code, reason=reason)
 
     async def _keepalive(self, conn: Connection) -> None:
@@ -454,21 +461,25 @@ class Supervisor:
             self.terminate(decision.code, decision.message)
             return
         receipt = False
-        with trio.move_on_after(self.config.bootstrap.rejection_receipt_timeout_s):
-            try:
-                while True:
-                    await conn.ws.get_message()  # anything but the close is ignored now
-            except trio_websocket.ConnectionClosed as exc:
-                receipt = (
-                    exc.reason.code == sessions.CLOSE_REJECTION_RECEIPT
-                    and exc.reason.reason == sessions.REJECTION_RECEIPT_REASON
-                )
-                # The peer closed: nothing left to send, whatever code it used.
-                conn.close_request = (exc.reason.code, exc.reason.reason or "")
-        if conn.close_request is None:
-            conn.request_close(sessions.CLOSE_INTERNAL_ERROR, sessions.RECEIPT_NOT_OBSERVED_REASON)
-        bound_log.info("bootstrap.rejection_receipt", observed=receipt)
-        self.terminate(decision.code, decision.message)
+        try:
+            with trio.move_on_after(self.config.bootstrap.rejection_receipt_timeout_s):
+                try:
+                    while True:
+                        await conn.ws.get_message()  # anything but the close is ignored now
+                except trio_websocket.ConnectionClosed as exc:
+                    receipt = (
+                        exc.reason.code == sessions.CLOSE_REJECTION_RECEIPT
+                        and exc.reason.reason == sessions.REJECTION_RECEIPT_REASON
+                    )
+                    # The peer closed: nothing left to send, whatever code it used.
+                    conn.close_request = (exc.reason.code, exc.reason.reason or "")
+            if conn.close_request is None:
+                conn.request_close(sessions.CLOSE_INTERNAL_ERROR, sessions.RECEIPT_NOT_OBSERVED_REASON)
+            bound_log.info("bootstrap.rejection_receipt", observed=receipt)
+        finally:
+            # Also when the wait is cut short (the socket superseded, the daemon stopping):
+            # the rejection was decided, and it is terminal whatever happens to this socket.
+            self.terminate(decision.code, decision.message)
 
 
 # --- running the daemon ----------------------------------------------------------------

@@ -44,3 +44,9 @@ class Journal:
         rows = self.store.complete_call(key, result_body, preceding=preceding)
         self._appended()
         return rows
+
+    def release_call(self, key: str, result_body: dict[str, Any]) -> list[tuple[int, str]]:
+        """Journal a refusal that leaves nothing done and free the key (see StateStore)."""
+        rows = self.store.release_call(key, result_body)
+        self._appended()
+        return rows

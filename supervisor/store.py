@@ -468,6 +468,20 @@ class StateStore:
                     raise StoreError(f"no pending call with key {key!r}")
         return rows
 
+    def release_call(self, key: str, result_body: dict[str, Any], *, now: float | None = None) -> list[tuple[int, str]]:
+        """Journal the tool.result of a call refused before any side effect for a passing
+        reason (too many processes, the daemon stopping) and free its key in the same
+        transaction, so a retry with the same key can run later."""
+        created_at = time.time() if now is None else now
+        with self._transaction() as conn:
+            rows = self._append_events_in(conn, [("tool.result", result_body)], created_at)
+            deleted = conn.execute(
+                "DELETE FROM idempotency WHERE key = ? AND state = 'pending'", (key,)
+            ).rowcount
+            if deleted != 1:
+                raise StoreError(f"no pending call with key {key!r}")
+        return rows
+
     def call_record(self, key: str) -> CallRecord | None:
         with self._transaction(write=False) as conn:
             row = conn.execute(

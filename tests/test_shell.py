@@ -104,22 +104,38 @@ async def test_cwd_parameter_and_jail(daemon, session):
     assert escaped["ok"] is False and escaped["error"]["code"] == "path_outside_workspace"
 
 
-async def test_too_many_processes(tmp_path, authority):
+async def test_too_many_processes_counts_spawns_in_progress_and_frees_the_key(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority, exec={"max_processes": 2})
     async with in_process_daemon(layout) as daemon:
         async with daemon.client().connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
-            slow = [
+            # Sent back to back: spawning takes a worker thread, so the limit must count
+            # spawns still in progress, not only commands already running.
+            ids = [
                 await session.call("execute_shell_command", {"command": "sleep 5"}, idempotency_key=f"s{i}")
-                for i in range(2)
+                for i in range(6)
             ]
-            await session.receive_until(lambda f: f["kind"] == "exec.started" and f["body"]["call_id"] == slow[1])
-            third, _ = await run_collect(session, "true")
-            assert third["ok"] is False and third["error"]["code"] == "too_many_processes"
-            for call_id in slow:
+            refused = []
+            started = set()
+            with trio.fail_after(10):
+                while len(refused) + len(started) < 6:
+                    frame = await session.receive()
+                    if frame["kind"] == "exec.started":
+                        started.add(frame["body"]["call_id"])
+                    elif frame["kind"] == "tool.result":
+                        assert frame["body"]["error"]["code"] == "too_many_processes"
+                        refused.append(frame["body"])
+            assert len(started) == 2 and len(refused) == 4
+            for call_id in started:
                 await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
-            for call_id in slow:
+            for call_id in started:
                 assert (await session.result(call_id))["result"]["signal"] == "SIGKILL"
+            # The refusal did nothing, so it did not use up its key: the same call runs now.
+            retry = await session.call(
+                "execute_shell_command", {"command": "sleep 5", "timeout_ms": 100},
+                idempotency_key=refused[0]["idempotency_key"],
+            )
+            assert (await session.result(retry))["result"]["timed_out"] is True
 
 
 async def test_allowed_commands_guard(daemon):
@@ -306,3 +322,10 @@ async def test_a_call_id_is_one_execution(session):
     assert again == call_id
     assert frame["body"]["ok"] is False and frame["body"]["error"]["code"] == "invalid_parameters"
     assert await read_all(session, call_id, "stdout") == b"one\n"
+
+
+async def test_no_command_starts_once_the_daemon_is_stopping(daemon, session):
+    daemon.supervisor.shell.stopping = True  # what stop_all sets first on SIGTERM
+    refused, _ = await run_collect(session, "echo never")
+    assert refused["ok"] is False and refused["error"]["code"] == "interrupted"
+    assert daemon.supervisor.store.call_record(refused["idempotency_key"]) is None  # key freed

@@ -145,3 +145,34 @@ async def test_slow_client_and_a_gigabyte_of_output(tmp_path, authority):
     with open(spool, "rb") as handle:
         handle.seek(gib - 4096)
         assert handle.read() == b"\0" * 4096
+
+
+async def test_streams_held_by_descendants_end_after_a_crash(tmp_path, authority):
+    """A completed call whose background descendant still held its pipes when the daemon
+    died: the next start kills the descendant and ends the streams, so paging reaches eof."""
+    import base64
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    client = running.client()
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(layout.workspace))
+        result = await session.call_and_wait(
+            "execute_shell_command", {"command": "echo hi; (sleep 60; echo late) &"}, idempotency_key="bg"
+        )
+        call_id = next(f["body"]["call_id"] for f in client.state.events.values() if f["kind"] == "exec.started")
+        pgid = next(f["body"]["pgid"] for f in client.state.events.values() if f["kind"] == "exec.started")
+    assert result["ok"] is True and group_members(pgid)
+    process.send_signal(signal.SIGKILL)
+    await process.wait()
+    running = await process.start()
+    client.endpoint = running.tcp
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(layout.workspace))
+        await session.send("exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": 0, "length": 100})
+        page = await session.receive_until(lambda f: f["kind"] == "exec.output_page")
+    assert await process.stop() == 0
+    assert base64.b64decode(page["body"]["data"]) == b"hi\n"
+    assert page["body"]["eof"] is True
+    assert group_members(pgid) == []

@@ -27,6 +27,15 @@ log = structlog.get_logger("supervisor.calls")
 
 Reply = Callable[[str], Awaitable[None]]
 
+# Refusals that happen before any side effect and for a reason that passes: the key is
+# freed with the result, so the same call can be retried with the same key later.
+TRANSIENT_REFUSALS = frozenset({errors.TOO_MANY_PROCESSES, errors.INTERRUPTED})
+
+# Calls accepted and not yet finished. Results are journaled, not replied, so nothing else
+# slows a client that pipelines calls; past this many the socket's reader waits for a slot,
+# and the client's own sends back up.
+MAX_CALLS_IN_FLIGHT = 64
+
 
 class Outcome(enum.Enum):
     RUN = "run"  # a new key (or no key): execute now
@@ -133,6 +142,7 @@ class CallRunner:
         # Patches are planned against a base sha and then written; two different keys
         # patching the same file at once must not both pass the check against one base.
         self.file_write_lock = trio.Lock()
+        self.in_flight = trio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
     def register(self, tool_name: str, function: ToolFunction) -> None:
         self.tools[tool_name] = function
@@ -141,6 +151,9 @@ class CallRunner:
         self, key: str | None, body: dict[str, Any], preceding: Sequence[tuple[str, dict[str, Any]]] = ()
     ) -> None:
         self.journal.complete_call(key, body, preceding)
+        self._count(body)
+
+    def _count(self, body: dict[str, Any]) -> None:
         if self.telemetry is not None:
             # Unknown tool names are folded into one label: the series count stays bounded.
             tool = body["tool_name"] if body["tool_name"] in TOOL_SCOPES else "unknown"
@@ -179,6 +192,19 @@ class CallRunner:
                 ),
             )
             return
+        await self.in_flight.acquire()
+        run = False
+        try:
+            run = await self._claim(call, context, reply)
+        finally:
+            if not run:
+                self.in_flight.release()
+        if run:
+            self.nursery.start_soon(self._run, RunningCall(call, context))
+
+    async def _claim(self, call: ToolCall, context: CallContext, reply: Reply) -> bool:
+        """Claim the idempotency key (the store decides, synchronously, before any await) and
+        answer a duplicate from the record. True when the call must run now."""
         key = call.idempotency_key
         if key is not None:
             digest = call_digest(call.tool_name, call.parameters)
@@ -201,10 +227,10 @@ class CallRunner:
             if outcome is Outcome.REPLAY:
                 assert existing is not None and existing.result_frame is not None
                 await reply(replayed_frame(call.call_id, key, existing.result_frame))
-                return
+                return False
             if outcome is Outcome.PENDING:
                 await reply(pending_frame(call.call_id, key))
-                return
+                return False
             if outcome is Outcome.KEY_REUSED:
                 self.journal_result(
                     None,
@@ -218,10 +244,16 @@ class CallRunner:
                         },
                     ),
                 )
-                return
-        self.nursery.start_soon(self._run, RunningCall(call, context))
+                return False
+        return True
 
     async def _run(self, running: RunningCall) -> None:
+        try:
+            await self._execute(running)
+        finally:
+            self.in_flight.release()
+
+    async def _execute(self, running: RunningCall) -> None:
         call = running.call
         started = time.monotonic()
         try:
@@ -238,7 +270,16 @@ class CallRunner:
                 error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
             )
         try:
-            self.journal_result(call.idempotency_key, body, running.final_events)
+            if (
+                call.idempotency_key is not None
+                and not body["ok"]
+                and body["error"]["code"] in TRANSIENT_REFUSALS
+                and not running.final_events  # nothing was started
+            ):
+                self.journal.release_call(call.idempotency_key, body)
+                self._count(body)
+            else:
+                self.journal_result(call.idempotency_key, body, running.final_events)
         except Exception:
             # The record stays pending: the next start completes it (PROTOCOL 7.1). One
             # call's failure to journal must not take the session's other calls down.

@@ -76,10 +76,9 @@ def group_alive(pgid: int) -> bool:
     """True while any non-zombie process remains in the group."""
     try:
         os.killpg(pgid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
+        # PermissionError: the pgid now belongs to another user's processes, not ours.
         return False
-    except PermissionError:
-        return True
     # killpg(…, 0) also succeeds for zombies that nobody has reaped yet: look closer.
     return bool(group_members(pgid))
 

@@ -7,6 +7,7 @@ shell command is never re-run — it is reported interrupted, with the output it
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import structlog
 from supervisor.runtime import processes
 from supervisor.runtime.calls import result_body
 from supervisor.runtime.file_tools import interrupted, recover_patch_call
-from supervisor.runtime.output import StreamHeadTail
+from supervisor.runtime.output import HEAD_TAIL_BYTES, StreamHeadTail
 from supervisor.runtime.spool import seal_stream, stream_path
 from supervisor.store import CallRecord, StateStore
 
@@ -24,7 +25,7 @@ log = structlog.get_logger("supervisor.recovery")
 STREAMS = ("stdout", "stderr")
 
 
-def kill_leftover_groups(store: StateStore) -> int:
+def kill_leftover_groups(store: StateStore, state_dir: Path) -> int:
     """Kill the groups recorded by a previous instance that still run the same processes."""
     killed = 0
     for call_id, pid, pgid, start in store.recorded_processes():
@@ -32,11 +33,19 @@ def kill_leftover_groups(store: StateStore) -> int:
         if count:
             log.warning("process.leftover_killed", call_id=call_id, pgid=pgid, processes=count)
         killed += count
+        # A completed call's background descendants may have held its pipes when the
+        # previous instance died: its streams end here, or readers would never see eof.
+        for name in STREAMS:
+            path = stream_path(state_dir, call_id, name)
+            if path.exists():
+                seal_stream(path)
         store.forget_process(call_id)
     return killed
 
 
-SUMMARY_READ_BYTES = 1024 * 1024
+# The result's head and tail are 8 KiB each; a little more lets both start and end on a
+# character boundary.
+SUMMARY_EDGE_BYTES = HEAD_TAIL_BYTES + 4
 
 
 def summarize_spooled(path: Path, truncated: bool, total: int) -> dict[str, Any]:
@@ -44,8 +53,14 @@ def summarize_spooled(path: Path, truncated: bool, total: int) -> dict[str, Any]
     `bytes` is what the command produced, which past the spool cap is more than was kept."""
     summary = StreamHeadTail()
     with open(path, "rb") as handle:
-        while chunk := handle.read(SUMMARY_READ_BYTES):
-            summary.feed(chunk)
+        size = os.fstat(handle.fileno()).st_size
+        if size <= 2 * SUMMARY_EDGE_BYTES:
+            summary.feed(handle.read())
+        else:
+            # Only the edges matter, and a spool can be large: read the head and the tail.
+            summary.feed(handle.read(SUMMARY_EDGE_BYTES))
+            handle.seek(size - SUMMARY_EDGE_BYTES)
+            summary.feed(handle.read(SUMMARY_EDGE_BYTES))
     return {**summary.summary(truncated=truncated), "bytes": total}
 
 
@@ -81,7 +96,7 @@ def _interrupted_shell(record: CallRecord, state_dir: Path) -> tuple[list[tuple[
 def recover_pending_calls(store: StateStore, state_dir: Path) -> int:
     """Complete every pending call; returns how many. Groups are killed first, so an
     interrupted command's spool no longer grows while it is summarised."""
-    kill_leftover_groups(store)
+    kill_leftover_groups(store, state_dir)
     completed = 0
     for record in store.pending_calls():
         preceding: list[tuple[str, dict[str, Any]]] = []

@@ -15,8 +15,9 @@ from supervisor.journal import Journal
 # Bounded: a client that floods requests without reading replies is slowed at its own
 # reader (back-pressure), never allowed to grow the daemon's memory.
 REPLY_QUEUE_SIZE = 64
-# Large enough that a 100,000-event replay costs few queries, small enough to bound memory.
-EVENT_BATCH = 512
+# Large enough that a 100,000-event replay costs few queries, small enough to bound memory
+# (one event can be ~200 KiB once JSON-escaped: a read_file page of control characters).
+EVENT_BATCH = 128
 
 
 class SocketSender:

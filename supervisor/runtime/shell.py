@@ -37,7 +37,7 @@ from supervisor.runtime.guard import check_allowed
 from supervisor.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
 from supervisor.runtime.paths import resolve_in_jail
 from supervisor.runtime.spool import SpoolNotFound, SpoolWriter, read_range, spool_dir, stream_path
-from supervisor.store import StateStore
+from supervisor.store import StateStore, StoreError
 
 log = structlog.get_logger("supervisor.shell")
 
@@ -47,6 +47,11 @@ READ_CHUNK_BYTES = 64 * 1024
 # completion waits this long for them to close before it is reported (7.3).
 COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
+# How often a terminating group is checked for survivors (each check scans /proc).
+GROUP_POLL_S = 0.05
+# Reaping a SIGKILLed shell whose call was abandoned; shielded, so bounded.
+ABANDON_REAP_TIMEOUT_S = 1.0
+CLOCK_EPSILON_S = 1e-6
 SIGNALS = {name: getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGKILL", "SIGHUP")}
 
 
@@ -136,7 +141,8 @@ class Command:
         try:
             os.killpg(self.pgid, signum)
             return True
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
+            # PermissionError: the pgid was reused by someone else's process; not ours.
             return False
 
 
@@ -149,11 +155,15 @@ class ShellRuntime:
         self.store = store
         self.journal = journal
         self.nursery = nursery
-        self.commands: dict[str, Command] = {}  # every command of this daemon's life, by call_id
+        # Commands whose call has not completed or whose group still has processes, by call_id
+        # (finished ones are dropped: exec.* frames then answer from the spool).
+        self.commands: dict[str, Command] = {}
+        self._starting = 0  # spawns in progress: counted against max_processes too
+        self.stopping = False  # set by stop_all: no command starts after it
 
     @property
     def running(self) -> int:
-        return sum(1 for command in self.commands.values() if not command.shell_exited)
+        return self._starting + sum(1 for command in self.commands.values() if not command.shell_exited)
 
     # --- the tool ------------------------------------------------------------------------
 
@@ -172,33 +182,48 @@ class ShellRuntime:
         if self.known_call(call.call_id):
             # A call_id names one execution; its spool must never mix two commands' bytes.
             raise ToolFailure(errors.INVALID_PARAMETERS, "This call_id was already used for a command.")
+        if self.stopping:
+            raise ToolFailure(errors.INTERRUPTED, "The supervisor is stopping; the command was not started.")
         if self.running >= self.settings.max_processes:
             raise ToolFailure(
                 errors.TOO_MANY_PROCESSES,
                 f"At most {self.settings.max_processes} commands may run at once.",
             )
-        command = await self._spawn(call.call_id, params, cwd, ctx)
-        self.journal.append(
-            [
-                (
-                    "exec.started",
-                    {
-                        "call_id": call.call_id,
-                        "pid": command.process.pid,
-                        "pgid": command.pgid,
-                        "command": params.command,
-                        "cwd": str(cwd),
-                        "started_at": time.time(),
-                        "context": {
-                            "session_id": ctx.session_id,
-                            "generation": ctx.generation,
-                            "idempotency_key": call.idempotency_key,
+        self._starting += 1
+        try:
+            command = await self._spawn(call.call_id, params, cwd, ctx)
+        finally:
+            self._starting -= 1
+        try:
+            self.journal.append(
+                [
+                    (
+                        "exec.started",
+                        {
+                            "call_id": call.call_id,
+                            "pid": command.process.pid,
+                            "pgid": command.pgid,
+                            "command": params.command,
+                            "cwd": str(cwd),
+                            "started_at": time.time(),
+                            "context": {
+                                "session_id": ctx.session_id,
+                                "generation": ctx.generation,
+                                "idempotency_key": call.idempotency_key,
+                            },
                         },
-                    },
-                )
-            ]
-        )
-        timed_out = await self._wait(command, params.timeout_ms / 1000)
+                    )
+                ]
+            )
+            if self.stopping:  # stop_all ran while this command was being spawned
+                await self.terminate_group(command)
+            timed_out = await self._wait(command, params.timeout_ms / 1000)
+        except BaseException:
+            # Cancelled (the daemon is stopping) or the journal failed: never leave a group
+            # running that nobody tends. The call stays pending; the next start reports it
+            # interrupted, as for a crash.
+            await self._abandon(command)
+            raise
         # Descendants in the background may hold the pipes open: report once they close, or
         # after the grace, whichever comes first; what they print later is after_exit.
         with trio.move_on_after(COMPLETION_GRACE_S):
@@ -221,19 +246,47 @@ class ShellRuntime:
         # final_events and the tool.result in one transaction right after we return.
         command.completed = True
         command.wake.set()
+        self._forget_if_done(command)
         return result
+
+    async def _abandon(self, command: Command) -> None:
+        command.send_signal(signal.SIGKILL)
+        with trio.move_on_after(ABANDON_REAP_TIMEOUT_S) as scope:
+            scope.shield = True
+            await command.process.wait()
+        self._mark_exited(command)
+        command.completed = True
+        command.wake.set()
+
+    def _mark_exited(self, command: Command) -> None:
+        if not command.shell_exited and command.process.returncode is not None:
+            command.shell_exited = True
+            if self.telemetry is not None:
+                self.telemetry.process_exited()
+
+    def _forget_if_done(self, command: Command) -> None:
+        """Drop a command from memory once its call completed, its output tasks ended and
+        its group is gone (and then its process record too)."""
+        if not (command.completed and command.finished.is_set()):
+            return
+        if processes.group_alive(command.pgid):
+            return  # background descendants: stop_all must still find them
+        self.commands.pop(command.call_id, None)
+        try:
+            self.store.forget_process(command.call_id)
+        except Exception:  # noqa: BLE001 - a stale row only costs a check at the next start
+            log.warning("process.forget_failed", call_id=command.call_id)
 
     async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx) -> Command:
         env = build_environment(self.settings.base_env, ctx.agent_env, params.env)
-        streams = {
-            name: StreamState(
-                SpoolWriter(stream_path(self.settings.state_dir, call_id, name), self.settings.spool_max_bytes),
-                LiveOutput(self.settings.throttle_ms, self.settings.max_chunk_bytes, self.settings.buffer_bytes),
-                StreamHeadTail(),
-            )
-            for name in STREAMS
-        }
+        streams: dict[str, StreamState] = {}
         try:
+            for name in STREAMS:
+                streams[name] = StreamState(
+                    SpoolWriter(stream_path(self.settings.state_dir, call_id, name), self.settings.spool_max_bytes),
+                    LiveOutput(self.settings.throttle_ms, self.settings.max_chunk_bytes, self.settings.buffer_bytes),
+                    StreamHeadTail(),
+                )
             process = await trio.lowlevel.open_process(
                 [choose_shell(self.settings.shell), "-c", params.command],
                 stdin=subprocess.DEVNULL,
@@ -243,21 +296,27 @@ class ShellRuntime:
                 env=env,
                 start_new_session=True,  # its own session and process group
             )
-        except OSError as exc:
+        except BaseException as exc:
             for stream in streams.values():
                 stream.spool.close()
-            raise ToolFailure(errors.INTERNAL, f"The command could not be started: {exc.strerror}.") from None
+            if isinstance(exc, OSError):
+                raise ToolFailure(errors.INTERNAL, f"The command could not be started: {exc.strerror}.") from None
+            raise
         pgid = process.pid  # start_new_session: the shell leads its own group
+        command = Command(call_id, process, pgid, streams, started=trio.current_time())
+        self.commands[call_id] = command
+        # Tended at once: from here on its pipes are drained whatever happens to the call.
+        self.nursery.start_soon(self._tend, command)
         if self.telemetry is not None:
             self.telemetry.process_started()
         # Written from here right after exec, while the shell is still starting: the wrapper
         # alternative (oom.with_oom_score_adj) closes the tiny window before the shell forks,
         # but costs an extra exec on every command, a third of a `true` call's budget.
         set_oom_score_adj(process.pid, COMMAND_OOM_SCORE_ADJ)
-        self.store.record_process(call_id, process.pid, pgid, processes.start_ticks(process.pid) or 0)
-        command = Command(call_id, process, pgid, streams, started=trio.current_time())
-        self.commands[call_id] = command
-        self.nursery.start_soon(self._tend, command)
+        try:
+            self.store.record_process(call_id, process.pid, pgid, processes.start_ticks(process.pid) or 0)
+        except Exception:  # noqa: BLE001 - without the record only a crash could orphan it
+            log.warning("process.record_failed", call_id=call_id)
         return command
 
     async def _wait(self, command: Command, timeout_s: float) -> bool:
@@ -270,9 +329,7 @@ class ShellRuntime:
             timed_out = True
             await self.terminate_group(command)
         await command.process.wait()
-        command.shell_exited = True
-        if self.telemetry is not None:
-            self.telemetry.process_exited()
+        self._mark_exited(command)
         return timed_out
 
     async def terminate_group(self, command: Command) -> None:
@@ -281,27 +338,26 @@ class ShellRuntime:
         command.send_signal(signal.SIGTERM)
         with trio.move_on_after(self.settings.kill_grace_s):
             while processes.group_alive(command.pgid):
-                await trio.sleep(0.01)
+                await trio.sleep(GROUP_POLL_S)
         command.send_signal(signal.SIGKILL)
 
     # --- the tasks that outlive the call -------------------------------------------------
 
     async def _tend(self, command: Command) -> None:
-        """Readers and flusher of one command; forgets the process group once all is done."""
+        """Readers and flusher of one command. A failure here is logged, never raised: these
+        tasks live in the daemon's nursery, and one command must not take the daemon down."""
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read, command, "stdout", command.process.stdout)
                 nursery.start_soon(self._read, command, "stderr", command.process.stderr)
                 nursery.start_soon(self._flush_live, command)
+        except Exception:  # noqa: BLE001
+            log.exception("shell.tend_crashed", call_id=command.call_id)
         finally:
             command.finished.set()
             for stream in command.streams.values():
                 stream.spool.close()
-            if not processes.group_alive(command.pgid):
-                try:
-                    self.store.forget_process(command.call_id)
-                except Exception:  # noqa: BLE001 - a stale row only costs a check at start
-                    log.warning("process.forget_failed", call_id=command.call_id)
+            self._forget_if_done(command)
 
     async def _read(self, command: Command, name: str, pipe: trio.abc.ReceiveStream) -> None:
         stream = command.streams[name]
@@ -344,16 +400,26 @@ class ShellRuntime:
                     for name, stream in command.streams.items()
                     for chunk in stream.live.flush(now_ms, final=True, after_exit=True)
                 ]
-                if events:
-                    self.journal.append(events)
+                self._journal_output(command, events)
                 return
-            if events:
-                self.journal.append(events)
+            self._journal_output(command, events)
             wake_at = [t for t in (s.live.next_flush_at() for s in command.streams.values()) if t is not None]
             if wake_at:
-                await trio.sleep_until(min(wake_at) / 1000)
+                # A hair past the window's end: due() compares in ms, the clock is in s, and
+                # waking a rounding error early would loop once for nothing.
+                await trio.sleep_until(min(wake_at) / 1000 + CLOCK_EPSILON_S)
             else:
                 await command.wake.wait()
+
+    def _journal_output(self, command: Command, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if not events:
+            return
+        try:
+            self.journal.append(events)
+        except StoreError:
+            # The live view is lossy by design: the bytes are in the spool, and the next
+            # event's offset shows the gap, so a full disk costs events, not the daemon.
+            log.warning("exec.output_not_journaled", call_id=command.call_id, events=len(events))
 
     # --- exec.* frames -------------------------------------------------------------------
 
@@ -395,7 +461,8 @@ class ShellRuntime:
 
     async def stop_all(self) -> None:
         """SIGTERM every running group, SIGKILL after the grace (PROTOCOL 10); the calls'
-        own tasks then journal their completions."""
+        own tasks then journal their completions. No command starts after this."""
+        self.stopping = True
         running = [c for c in self.commands.values() if not c.shell_exited or processes.group_alive(c.pgid)]
         async with trio.open_nursery() as nursery:
             for command in running:
