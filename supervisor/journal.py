@@ -17,6 +17,9 @@ class Journal:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._listeners: set[Callable[[], None]] = set()
+        # The highest seq committed, kept here so a sender can tell "nothing new" without a
+        # query. Everything that appends after start goes through this class.
+        self.last_seq = store.snapshot().local_event_max
 
     def subscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.add(wake)
@@ -24,14 +27,16 @@ class Journal:
     def unsubscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.discard(wake)
 
-    def _appended(self) -> None:
+    def _appended(self, rows: list[tuple[int, str]]) -> None:
+        if rows:
+            self.last_seq = max(self.last_seq, rows[-1][0])
         for wake in list(self._listeners):
             wake()
 
     def append(self, events: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[int, str]]:
         """Commit events (dense seqs) and wake the senders; returns [(seq, frame_json)]."""
         rows = self.store.append_events(events)
-        self._appended()
+        self._appended(rows)
         return rows
 
     def complete_call(
@@ -42,11 +47,19 @@ class Journal:
     ) -> list[tuple[int, str]]:
         """Journal a call's final events and complete its idempotency record atomically."""
         rows = self.store.complete_call(key, result_body, preceding=preceding)
-        self._appended()
+        self._appended(rows)
         return rows
 
     def release_call(self, key: str, result_body: dict[str, Any]) -> list[tuple[int, str]]:
         """Journal a refusal that leaves nothing done and free the key (see StateStore)."""
         rows = self.store.release_call(key, result_body)
-        self._appended()
+        self._appended(rows)
+        return rows
+
+    def start_process(
+        self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
+    ) -> list[tuple[int, str]]:
+        """Record a spawned process group and journal its exec.started, in one transaction."""
+        rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body)
+        self._appended(rows)
         return rows

@@ -508,6 +508,20 @@ class StateStore:
                 (call_id, pid, pgid, start_ticks, time.time()),
             )
 
+    def start_process(
+        self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
+    ) -> list[tuple[int, str]]:
+        """record_process and the exec.started event in one transaction (one commit less on
+        every command's path)."""
+        now = time.time()
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO processes (call_id, pid, pgid, start_ticks, recorded_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (call_id, pid, pgid, start_ticks, now),
+            )
+            return self._append_events_in(conn, [("exec.started", started_body)], now)
+
     def forget_process(self, call_id: str) -> None:
         with self._transaction() as conn:
             conn.execute("DELETE FROM processes WHERE call_id = ?", (call_id,))

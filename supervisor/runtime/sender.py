@@ -27,7 +27,7 @@ class SocketSender:
         self._ws = ws
         self._telemetry = telemetry
         # Events up to here existed when the socket attached: sending them is a replay.
-        self._replay_until = journal.store.snapshot().local_event_max
+        self._replay_until = journal.last_seq
         self._journal = journal
         self.cursor = cursor  # the highest seq sent (or known to the client) so far
         self._reply_in, self._reply_out = trio.open_memory_channel[str](REPLY_QUEUE_SIZE)
@@ -49,7 +49,11 @@ class SocketSender:
             while True:
                 self._wake = trio.Event()
                 sent = await self._send_replies()
-                rows = self._journal.store.events_after(self.cursor, EVENT_BATCH)
+                rows = (
+                    self._journal.store.events_after(self.cursor, EVENT_BATCH)
+                    if self.cursor < self._journal.last_seq
+                    else []
+                )
                 for seq, frame in rows:
                     await self._ws.send_message(frame)
                     self.cursor = seq

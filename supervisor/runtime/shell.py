@@ -195,25 +195,24 @@ class ShellRuntime:
         finally:
             self._starting -= 1
         try:
-            self.journal.append(
-                [
-                    (
-                        "exec.started",
-                        {
-                            "call_id": call.call_id,
-                            "pid": command.process.pid,
-                            "pgid": command.pgid,
-                            "command": params.command,
-                            "cwd": str(cwd),
-                            "started_at": time.time(),
-                            "context": {
-                                "session_id": ctx.session_id,
-                                "generation": ctx.generation,
-                                "idempotency_key": call.idempotency_key,
-                            },
-                        },
-                    )
-                ]
+            self.journal.start_process(
+                call.call_id,
+                command.process.pid,
+                command.pgid,
+                processes.start_ticks(command.process.pid) or 0,
+                {
+                    "call_id": call.call_id,
+                    "pid": command.process.pid,
+                    "pgid": command.pgid,
+                    "command": params.command,
+                    "cwd": str(cwd),
+                    "started_at": time.time(),
+                    "context": {
+                        "session_id": ctx.session_id,
+                        "generation": ctx.generation,
+                        "idempotency_key": call.idempotency_key,
+                    },
+                },
             )
             if self.stopping:  # stop_all ran while this command was being spawned
                 await self.terminate_group(command)
@@ -313,10 +312,6 @@ class ShellRuntime:
         # alternative (oom.with_oom_score_adj) closes the tiny window before the shell forks,
         # but costs an extra exec on every command, a third of a `true` call's budget.
         set_oom_score_adj(process.pid, COMMAND_OOM_SCORE_ADJ)
-        try:
-            self.store.record_process(call_id, process.pid, pgid, processes.start_ticks(process.pid) or 0)
-        except Exception:  # noqa: BLE001 - without the record only a crash could orphan it
-            log.warning("process.record_failed", call_id=call_id)
         return command
 
     async def _wait(self, command: Command, timeout_s: float) -> bool:
