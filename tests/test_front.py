@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
 import socket
 import stat
 import struct
@@ -248,14 +249,15 @@ async def test_live_peer_answering_pings_is_not_closed(tmp_path, authority):
 # --- graceful stop --------------------------------------------------------------------------
 
 
-async def test_sigterm_closes_sockets_1001_and_exits_0(tmp_path, authority):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_stop_signal_closes_sockets_1001_and_exits_0(tmp_path, authority, signum):
     layout = make_layout(tmp_path / "d", authority=authority)
     process = DaemonProcess(layout)
     running = await process.start()
     async with running.client(running.unix).connect() as session:
         await session.bootstrap(cwd=str(layout.workspace))
         started = trio.current_time()
-        process.send_signal(15)
+        process.send_signal(signum)
         reason = await session.closed_reason(timeout=5)
         assert (reason.code, reason.reason) == (1001, "Supervisor listener stopping.")
     assert await process.wait(timeout=5) == 0

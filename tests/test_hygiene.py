@@ -56,9 +56,14 @@ async def test_canary_never_reaches_logs_frames_or_health(tmp_path, authority):
     assert "DAEMON_SECRET" not in out and f"AGENT_SECRET={CANARY}" in out
     assert all("DAEMON_SECRET" not in json.dumps(frame) for frame in frames)
     # Every log line is a JSON object with the fixed fields.
-    for line in log.splitlines():
-        event = json.loads(line)
-        assert {"event", "level", "timestamp"} <= set(event)
+    events = [json.loads(line) for line in log.splitlines()]
+    assert all({"event", "level", "timestamp"} <= set(event) for event in events)
+    finished = [e for e in events if e["event"] == "tool.finished"]
+    assert len(finished) == 2
+    for event in finished:
+        assert event["tool"] == "execute_shell_command" and event["ok"] is True
+        assert event["exit_code"] == 0 and isinstance(event["duration_ms"], (int, float))
+        assert event["session_id"] == "session-1" and event["call_id"]
 
 
 async def test_commands_do_not_inherit_the_daemons_oom_protection(tmp_path, authority):

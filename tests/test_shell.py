@@ -329,3 +329,16 @@ async def test_no_command_starts_once_the_daemon_is_stopping(daemon, session):
     refused, _ = await run_collect(session, "echo never")
     assert refused["ok"] is False and refused["error"]["code"] == "interrupted"
     assert daemon.supervisor.store.call_record(refused["idempotency_key"]) is None  # key freed
+
+
+async def test_read_output_of_a_running_command(session):
+    call_id = await session.call(
+        "execute_shell_command", {"command": "printf 'partial'; sleep 30"}, idempotency_key="running"
+    )
+    await session.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == call_id)
+    await session.send("exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": 2, "length": 100})
+    page = await session.receive_until(lambda f: f["kind"] == "exec.output_page")
+    assert base64.b64decode(page["body"]["data"]) == b"rtial"
+    assert page["body"]["eof"] is False  # still running: more may come
+    await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
+    assert (await session.result(call_id))["result"]["signal"] == "SIGKILL"
