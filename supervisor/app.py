@@ -35,7 +35,7 @@ from protocol.frames import (
     encode_frame,
 )
 from supervisor import http_front, sessions
-from supervisor.binding import BindAccepted, BindRejected, decide_binding
+from supervisor.binding import BindRejected, decide_binding
 from supervisor.config import SupervisorConfig
 from supervisor.gate import Admit, GateState, Lifecycle, Refuse, decide_upgrade, refuse
 from supervisor.identity import SandboxIdentity

@@ -8,11 +8,9 @@ Trio lives here: this module moves bytes and owns tasks. What to answer is decid
 from __future__ import annotations
 
 import errno
-import math
 import os
 import socket as stdlib_socket
 import stat
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol

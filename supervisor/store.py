@@ -500,19 +500,11 @@ class StateStore:
 
     # -- process groups --------------------------------------------------------------------
 
-    def record_process(self, call_id: str, pid: int, pgid: int, start_ticks: int) -> None:
-        with self._transaction() as conn:
-            conn.execute(
-                "INSERT OR REPLACE INTO processes (call_id, pid, pgid, start_ticks, recorded_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (call_id, pid, pgid, start_ticks, time.time()),
-            )
-
     def start_process(
         self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
     ) -> list[tuple[int, str]]:
-        """record_process and the exec.started event in one transaction (one commit less on
-        every command's path)."""
+        """Record a spawned process group (for the clean-up after a crash) and journal its
+        exec.started, in one transaction: a started command always has its record."""
         now = time.time()
         with self._transaction() as conn:
             conn.execute(

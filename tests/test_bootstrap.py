@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from supervisor.gate import Lifecycle
-from testing.client import BootstrapRejected, UpgradeRejected, default_bootstrap_body, http_request
+from testing.client import BootstrapRejected, default_bootstrap_body, http_request
 from testing.daemon import DaemonProcess, in_process_daemon, make_layout
 
 EXPECTED_BOOTSTRAP = (1002, "Expected session bootstrap as first frame.")

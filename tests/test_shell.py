@@ -6,10 +6,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
-import signal
 import uuid
 
-import pytest
 import trio
 
 from supervisor.runtime.processes import group_members, read_stat
@@ -111,10 +109,8 @@ async def test_too_many_processes_counts_spawns_in_progress_and_frees_the_key(tm
             await session.bootstrap(cwd=str(layout.workspace))
             # Sent back to back: spawning takes a worker thread, so the limit must count
             # spawns still in progress, not only commands already running.
-            ids = [
+            for i in range(6):
                 await session.call("execute_shell_command", {"command": "sleep 5"}, idempotency_key=f"s{i}")
-                for i in range(6)
-            ]
             refused = []
             started = set()
             with trio.fail_after(10):
