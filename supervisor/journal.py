@@ -7,10 +7,14 @@ one path and nothing can be skipped or reordered at the seam between them.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from supervisor.store import StateStore
+
+
+RECENT_FRAMES = 1024
 
 
 class Journal:
@@ -20,6 +24,28 @@ class Journal:
         # The highest seq committed, kept here so a sender can tell "nothing new" without a
         # query. Everything that appends after start goes through this class.
         self.last_seq = store.snapshot().local_event_max
+        # The most recent frames, dense by seq: a sender that keeps up reads live events
+        # from here instead of querying sqlite for each one.
+        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_FRAMES)
+        self.pruned_through = store.snapshot().ack_floor  # what the store may have deleted
+
+    def frames_after(self, seq: int, limit: int) -> list[tuple[int, str]]:
+        """Up to `limit` events after `seq`, in order: from memory when they are recent,
+        else from the store (a replay)."""
+        recent = self.recent
+        # Pruned events are not served from memory either: a reconnect below the oldest
+        # retained event is replayed from there, the same whichever path serves it.
+        if recent and max(recent[0][0], self.pruned_through + 1) <= seq + 1 <= recent[-1][0]:
+            start = seq + 1 - recent[0][0]
+            return [recent[i] for i in range(start, min(start + limit, len(recent)))]
+        return self.store.events_after(seq, limit)
+
+    def acknowledge(self, seq: int) -> int:
+        """Raise the ack floor (AckAhead above the journal) and prune what it covers."""
+        floor = self.store.raise_ack_floor(seq)
+        self.store.prune_acked(floor)
+        self.pruned_through = max(self.pruned_through, floor)
+        return floor
 
     def subscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.add(wake)
@@ -30,6 +56,7 @@ class Journal:
     def _appended(self, rows: list[tuple[int, str]]) -> None:
         if rows:
             self.last_seq = max(self.last_seq, rows[-1][0])
+            self.recent.extend(rows)
         for wake in list(self._listeners):
             wake()
 

@@ -145,14 +145,20 @@ class CallRecord:
 _CALL_COLUMNS = "key, tool_name, digest, call_id, state, result_seq, result_frame, intent_json"
 
 
+def _encode_body(body: dict[str, Any]) -> str:
+    # allow_nan=False: NaN is not JSON; a client could not parse the frame.
+    return json.dumps(body, separators=_FRAME_SEPARATORS, ensure_ascii=False, allow_nan=False)
+
+
+def _frame_from_body_json(kind: str, seq: int, body_json: str) -> str:
+    # Byte for byte what json.dumps of {"kind","seq","body"} gives, without encoding the
+    # body a second time (the frame is built on every event's hot path).
+    return '{"kind":' + json.dumps(kind, ensure_ascii=False) + ',"seq":' + str(seq) + ',"body":' + body_json + "}"
+
+
 def encode_event_frame(kind: str, seq: int, body: dict[str, Any]) -> str:
     """The exact text journaled and sent: compact JSON, keys in the order kind, seq, body."""
-    return json.dumps(
-        {"kind": kind, "seq": seq, "body": body},
-        separators=_FRAME_SEPARATORS,
-        ensure_ascii=False,
-        allow_nan=False,  # NaN is not JSON; a client could not parse the frame
-    )
+    return _frame_from_body_json(kind, seq, _encode_body(body))
 
 
 class StateStore:
@@ -540,17 +546,8 @@ class StateStore:
             if not isinstance(body, dict):
                 raise ValueError("an event body must be a dict")
             seq = last_seq + offset
-            rows.append(
-                (
-                    seq,
-                    kind,
-                    json.dumps(
-                        body, separators=_FRAME_SEPARATORS, ensure_ascii=False, allow_nan=False
-                    ),
-                    encode_event_frame(kind, seq, body),
-                    now,
-                )
-            )
+            body_json = _encode_body(body)
+            rows.append((seq, kind, body_json, _frame_from_body_json(kind, seq, body_json), now))
         conn.executemany(
             "INSERT INTO events (seq, kind, body_json, frame_json, created_at)"
             " VALUES (?, ?, ?, ?, ?)",

@@ -132,3 +132,23 @@ async def test_client_that_stops_reading_does_not_block_producers(daemon):
                 await trio.sleep(0.01)
         frames = await collect_replay(session, 1500)
     assert seqs_of(frames) == list(range(1, 1501))
+
+
+def test_frames_from_memory_match_the_store_including_pruning(tmp_path):
+    """The sender's in-memory path and the sqlite path serve the same frames: same seqs,
+    same bytes, and neither serves what an ack pruned."""
+    from supervisor.journal import RECENT_FRAMES, Journal
+    from supervisor.store import StateStore
+
+    with StateStore.open(tmp_path / "state") as store:
+        journal = Journal(store)
+        journal.append([("tool.result", {"n": i, "text": "é\u2028"}) for i in range(10)])
+        assert journal.frames_after(3, 4) == store.events_after(3, 4)
+        assert [seq for seq, _ in journal.frames_after(3, 4)] == [4, 5, 6, 7]
+        journal.acknowledge(6)
+        assert journal.frames_after(0, 100) == store.events_after(0, 100)
+        assert [seq for seq, _ in journal.frames_after(0, 100)] == [7, 8, 9, 10]
+        journal.append([("tool.result", {"n": i}) for i in range(RECENT_FRAMES + 5)])
+        # Older than what memory holds: served from the store, identically.
+        assert journal.frames_after(7, 3) == store.events_after(7, 3)
+        assert journal.frames_after(journal.last_seq - 2, 10) == store.events_after(journal.last_seq - 2, 10)

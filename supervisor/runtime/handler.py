@@ -106,14 +106,12 @@ class RuntimeHandler:
 
     async def _ack(self, seq: int) -> None:
         try:
-            floor = self.sup.store.raise_ack_floor(seq)
+            # The client has stored everything up to its floor: those events may go.
+            self.sup.journal.acknowledge(seq)
         except AckAhead:
             await self.sender.reply(
                 error_frame(errors.ACK_AHEAD, "The ack is above the highest journaled seq.")
             )
-            return
-        # The client has stored everything up to its floor: those events may go.
-        self.sup.store.prune_acked(floor)
 
     async def _exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> None:
         if "shell:exec" not in self.conn.claims.scopes:

@@ -50,7 +50,7 @@ class SocketSender:
                 self._wake = trio.Event()
                 sent = await self._send_replies()
                 rows = (
-                    self._journal.store.events_after(self.cursor, EVENT_BATCH)
+                    self._journal.frames_after(self.cursor, EVENT_BATCH)
                     if self.cursor < self._journal.last_seq
                     else []
                 )
