@@ -108,7 +108,8 @@ class Supervisor:
         self.shell: ShellRuntime | None = None  # likewise
         binding = store.binding()
         self.session = BootstrapBody.model_validate_json(binding.body_json) if binding else None
-        self.lifecycle = Lifecycle.TERMINATED if store.snapshot().terminated else Lifecycle.SERVING
+        # A terminated state dir never gets this far: run_supervisor exits 78 first.
+        self.lifecycle = Lifecycle.SERVING
         self.started_monotonic = time.monotonic()
         self.admissions = 0
         # The daemon is the fence's only writer, so the fenced generation is kept here too:
@@ -164,14 +165,10 @@ class Supervisor:
             Lifecycle.DRAINING: "draining",
             Lifecycle.TERMINATED: "terminated",
         }[self.lifecycle]
-        try:
-            bound = self.store.binding() is not None
-        except StoreError:
-            bound = False
         body = {
             "status": status,
             "version": self.version,
-            "bound": bound,
+            "bound": self.session is not None,
             "uptimeS": int(time.monotonic() - self.started_monotonic),
         }
         return (200 if self.lifecycle is Lifecycle.SERVING else 503), http_front.json_body(body)
