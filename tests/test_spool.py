@@ -172,9 +172,24 @@ def test_a_missing_stream_is_a_typed_error(tmp_path: Path) -> None:
 
 
 def test_a_stream_is_written_once(stdout: Path) -> None:
-    SpoolWriter(stdout, CAP).close()
+    writer = SpoolWriter(stdout, CAP)
+    writer.write(b"x")
+    writer.close()
     with pytest.raises(FileExistsError):
         SpoolWriter(stdout, CAP)
+
+
+def test_an_empty_stream_creates_no_file_and_reads_as_empty(stdout: Path) -> None:
+    """Files are created with their first byte (most commands leave a stream empty, and each
+    file is a metadata write on the command's path); the call directory still exists."""
+    writer = SpoolWriter(stdout, CAP)
+    assert not stdout.exists() and stdout.parent.is_dir()
+    running = read_range(stdout, 0, 10, writer_alive=True)
+    assert (running.data, running.eof) == (b"", False)
+    writer.close()
+    assert not stdout.exists()
+    ended = read_range(stdout, 0, 10)
+    assert (ended.data, ended.eof, ended.truncated) == (b"", True, False)
 
 
 def test_close_is_idempotent_and_writing_after_it_is_a_bug(stdout: Path) -> None:
@@ -308,7 +323,9 @@ def test_remove_spool_deletes_the_call_and_is_idempotent(tmp_path: Path) -> None
 
 
 def test_the_spool_is_private_to_the_daemon(stdout: Path) -> None:
-    SpoolWriter(stdout, CAP).close()
+    writer = SpoolWriter(stdout, CAP)
+    writer.write(b"secret output")
+    writer.close()
     assert stdout.stat().st_mode & 0o777 == 0o600
     assert stdout.parent.stat().st_mode & 0o777 == 0o700
 

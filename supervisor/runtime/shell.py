@@ -435,8 +435,12 @@ class ShellRuntime:
         """An exec.output_page body, or None for an unknown call."""
         if not self.known_call(call_id):
             return None
+        command = self.commands.get(call_id)
+        writer_alive = command is not None and not command.streams[stream].spool.closed
         try:
-            page = read_range(stream_path(self.settings.state_dir, call_id, stream), offset, length)
+            page = read_range(
+                stream_path(self.settings.state_dir, call_id, stream), offset, length, writer_alive=writer_alive
+            )
         except SpoolNotFound:
             return None
         return {

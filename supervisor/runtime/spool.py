@@ -21,8 +21,13 @@ Decisions:
 - A write the disk refuses (ENOSPC, EIO …) does not stop the command: the stream is marked
   truncated from there on, like hitting the cap, and the error is kept in `write_error`;
   `write` and `close` never raise for it.
+- A stream's file (and its `.state`) is created with its first byte: most commands leave a
+  stream empty, and each file is a metadata write on every command's path. The call's
+  directory is created at once; in it, a stream without a file reads as empty (ended, unless
+  the caller says its writer is alive). Recovery seals such a stream with an empty file.
 - A stream file already existing is an error (FileExistsError): a command is never run twice,
-  so two writers for one call would be a bug that must not silently mix their bytes.
+  so two writers for one call would be a bug that must not silently mix their bytes. (The
+  daemon refuses a reused call_id earlier, by its directory.)
 - Readers check the state before reading the bytes: the writer writes every byte before it
   marks the stream ended, so a page read after seeing `ended` is complete, and `eof` is never
   claimed for bytes that were still to come.
@@ -150,8 +155,13 @@ class SpoolWriter:
         self.path = Path(path)
         self._cap = cap_bytes
         self.path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        self._fd: int | None = os.open(self.path, flags, _FILE_MODE)
+        if self.path.exists():
+            raise FileExistsError(f"spool stream {self.path} already exists")
+        # The file is created with the first byte: most commands leave one stream (often
+        # both) empty, and every file created is a metadata write on the command's path. A
+        # stream without a file in an existing call directory reads as empty (read_range).
+        self._fd: int | None = None
+        self._closed = False
         self._size = 0
         self._total = 0
         self._truncated = False
@@ -173,16 +183,25 @@ class SpoolWriter:
 
     @property
     def closed(self) -> bool:
-        return self._fd is None
+        return self._closed
+
+    def _open(self) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        try:
+            self._fd = os.open(self.path, flags, _FILE_MODE)
+        except OSError as exc:
+            self.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
 
     def write(self, data: bytes) -> int:
         """Keep what fits under the cap; the number of bytes kept."""
-        if self._fd is None:
+        if self._closed:
             raise ValueError("write to a closed spool stream")
+        if self._fd is None and data and not self.write_error:
+            self._open()
         self._total += len(data)
         room = 0 if self.write_error else self._cap - self._size
         wanted = min(len(data), room)
-        kept = self._write_all(memoryview(data)[:wanted]) if wanted else 0
+        kept = self._write_all(memoryview(data)[:wanted]) if wanted and self._fd is not None else 0
         self._size += kept
         if kept < len(data) and not self._truncated:
             self._truncated = True
@@ -215,10 +234,14 @@ class SpoolWriter:
         Never raises for a disk error (the result must still be reported): `write_error`
         then says why a reader may not see the stream ended.
         """
-        if self._fd is None:
+        if self._closed:
             return
-        fd, self._fd = self._fd, None
-        os.close(fd)
+        self._closed = True
+        if self._fd is None and self._total == 0:
+            return  # nothing was written: no file, and read_range answers "empty, ended"
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
         self._record(ended=True)
 
     def _state(self, *, ended: bool) -> StreamState:
@@ -251,8 +274,14 @@ def seal_stream(path: str | os.PathLike[str]) -> StreamState:
     return state
 
 
-def read_range(path: str | os.PathLike[str], offset: int, length: int) -> SpoolPage:
-    """Up to `length` bytes from `offset` (exec.read_output); SpoolNotFound if no such stream."""
+def read_range(
+    path: str | os.PathLike[str], offset: int, length: int, *, writer_alive: bool = False
+) -> SpoolPage:
+    """Up to `length` bytes from `offset` (exec.read_output); SpoolNotFound if no such call.
+
+    A stream without a file in an existing call directory has had no byte yet (files are
+    created with their first byte): it reads as empty, ended unless `writer_alive`.
+    """
     if offset < 0 or length < 0:
         raise ValueError("offset and length must not be negative")
     path = Path(path)
@@ -260,7 +289,9 @@ def read_range(path: str | os.PathLike[str], offset: int, length: int) -> SpoolP
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SpoolNotFound(path) from None
+        if not path.parent.is_dir():
+            raise SpoolNotFound(path) from None
+        return SpoolPage(data=b"", eof=not writer_alive, truncated=False)
     try:
         chunks: list[bytes] = []
         got = 0
