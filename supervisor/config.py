@@ -175,6 +175,9 @@ class ExecConfig(_Section):
     output_max_chunk_bytes: int = Field(default=4096, ge=4)
     output_buffer_bytes: PositiveInt = 65536
     spool_max_bytes: PositiveInt = 64 * 1024 * 1024
+    # All spools together: past this, the oldest finished commands' spools are deleted
+    # (PROTOCOL 9: kept "until the session ends or a disk cap is reached").
+    spool_total_max_bytes: PositiveInt = 1024 * 1024 * 1024
     base_env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_BASE_ENV))
 
     @field_validator("shell")

@@ -338,3 +338,32 @@ async def test_read_output_of_a_running_command(session):
     assert page["body"]["eof"] is False  # still running: more may come
     await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
     assert (await session.result(call_id))["result"]["signal"] == "SIGKILL"
+
+
+async def test_spools_past_the_disk_cap_lose_their_oldest_finished_calls(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"spool_total_max_bytes": 150_000})
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            # A long-running command's spool is never pruned, however old.
+            long_id = await session.call(
+                "execute_shell_command", {"command": "head -c 60000 /dev/zero; sleep 30"}, idempotency_key="long"
+            )
+            await session.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == long_id)
+            ids = []
+            for i in range(4):
+                result, call_id = await run_collect(session, "head -c 60000 /dev/zero")
+                assert result["ok"] is True
+                ids.append(call_id)
+            await trio.sleep(0.3)  # the last command's output tasks finish and prune
+            for old in ids[:2]:
+                await session.send("exec.read_output", {"call_id": old, "stream": "stdout", "offset": 0, "length": 10})
+                frame = await session.receive_until(lambda f: f["kind"] in ("error", "exec.output_page"))
+                assert frame["kind"] == "error" and frame["body"]["code"] == "unknown_call"
+            assert len(await read_all(session, ids[-1], "stdout")) == 60000
+            await session.send("exec.read_output", {"call_id": long_id, "stream": "stdout", "offset": 0, "length": 65536})
+            page = await session.receive_until(lambda f: f["kind"] == "exec.output_page")
+            assert len(base64.b64decode(page["body"]["data"])) == 60000
+            await session.send("exec.signal", {"call_id": long_id, "signal": "SIGKILL"})
+            await session.result(long_id)
+        assert daemon.supervisor.shell.spool_bytes <= 150_000 + 60000

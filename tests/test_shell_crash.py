@@ -111,7 +111,7 @@ async def test_slow_client_and_a_gigabyte_of_output(tmp_path, authority):
     """A client that stops reading while a command prints 1 GiB: the command finishes, the
     daemon's memory stays bounded, and the spool has every byte."""
     gib = 1024 * 1024 * 1024
-    layout = make_layout(tmp_path / "d", authority=authority, exec={"spool_max_bytes": 2 * gib})
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"spool_max_bytes": 2 * gib, "spool_total_max_bytes": 4 * gib})
     process = DaemonProcess(layout)
     running = await process.start()
     pid = process.proc.pid

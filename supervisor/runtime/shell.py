@@ -36,7 +36,15 @@ from supervisor.runtime.failures import ToolFailure
 from supervisor.runtime.guard import check_allowed
 from supervisor.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
 from supervisor.runtime.paths import resolve_in_jail
-from supervisor.runtime.spool import SpoolNotFound, SpoolWriter, read_range, spool_dir, stream_path
+from supervisor.runtime.spool import (
+    SpoolNotFound,
+    SpoolWriter,
+    prune_spools,
+    read_range,
+    spool_dir,
+    spool_usage,
+    stream_path,
+)
 from supervisor.store import StateStore, StoreError
 
 log = structlog.get_logger("supervisor.shell")
@@ -64,6 +72,7 @@ class ShellSettings:
     max_chunk_bytes: int
     buffer_bytes: int
     spool_max_bytes: int
+    spool_total_max_bytes: int
     base_env: Mapping[str, str]
     state_dir: Path
 
@@ -78,6 +87,7 @@ class ShellSettings:
             max_chunk_bytes=ex.output_max_chunk_bytes,
             buffer_bytes=ex.output_buffer_bytes,
             spool_max_bytes=ex.spool_max_bytes,
+            spool_total_max_bytes=ex.spool_total_max_bytes,
             base_env=dict(ex.base_env),
             state_dir=Path(config.paths.state_dir),
         )
@@ -159,6 +169,9 @@ class ShellRuntime:
         # (finished ones are dropped: exec.* frames then answer from the spool).
         self.commands: dict[str, Command] = {}
         self._starting = 0  # spawns in progress: counted against max_processes too
+        # Bytes in all spools, tracked so the disk cap is checked without scanning the disk
+        # after every command (a scan happens only when the cap is passed).
+        self.spool_bytes = sum(u.bytes for u in spool_usage(settings.state_dir))
         self.stopping = False  # set by stop_all: no command starts after it
 
     @property
@@ -353,6 +366,22 @@ class ShellRuntime:
             for stream in command.streams.values():
                 stream.spool.close()
             self._forget_if_done(command)
+            self.spool_bytes += sum(stream.spool.size for stream in command.streams.values())
+            if self.spool_bytes > self.settings.spool_total_max_bytes:
+                await self._prune_spools()
+
+    async def _prune_spools(self) -> None:
+        keep = {call_id for call_id, c in self.commands.items() if not c.finished.is_set()}
+        try:
+            with trio.CancelScope(shield=True):  # a half-done prune would only be redone
+                removed, self.spool_bytes = await trio.to_thread.run_sync(
+                    prune_spools, self.settings.state_dir, self.settings.spool_total_max_bytes, keep
+                )
+        except OSError:
+            log.exception("spool.prune_failed")
+            return
+        if removed:
+            log.info("spool.pruned", calls=len(removed), bytes_left=self.spool_bytes)
 
     async def _read(self, command: Command, name: str, pipe: trio.abc.ReceiveStream) -> None:
         stream = command.streams[name]

@@ -56,7 +56,9 @@ __all__ = [
     "read_range",
     "read_state",
     "remove_spool",
+    "prune_spools",
     "seal_stream",
+    "spool_usage",
     "spool_dir",
     "stream_path",
 ]
@@ -307,3 +309,49 @@ def read_range(
     ended = state is not None and state.ended
     eof = ended and offset + len(data) >= state.kept  # type: ignore[union-attr]
     return SpoolPage(data=data, eof=eof, truncated=state is not None and state.truncated)
+
+
+@dataclass(frozen=True, slots=True)
+class SpoolUsage:
+    call_id: str
+    bytes: int
+    mtime: float  # the newest file's, so a spool still written to counts as recent
+
+
+def spool_usage(state_dir: str | os.PathLike[str]) -> list[SpoolUsage]:
+    """Every call's spool with its size on disk, oldest first."""
+    root = Path(state_dir) / SPOOL_DIRECTORY
+    usage = []
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if not (entry.is_dir(follow_symlinks=False) and _CALL_ID.fullmatch(entry.name)):
+            continue
+        size, mtime = 0, entry.stat(follow_symlinks=False).st_mtime
+        for item in os.scandir(entry.path):
+            info = item.stat(follow_symlinks=False)
+            size += info.st_size
+            mtime = max(mtime, info.st_mtime)
+        usage.append(SpoolUsage(entry.name, size, mtime))
+    usage.sort(key=lambda u: (u.mtime, u.call_id))
+    return usage
+
+
+def prune_spools(state_dir: str | os.PathLike[str], cap_bytes: int, keep: set[str]) -> tuple[list[str], int]:
+    """Delete the oldest spools not in `keep` until all of them fit in `cap_bytes`.
+    Returns (call ids removed, bytes left). Spools in `keep` (commands still running or
+    still read by the daemon) are never removed, even if they alone exceed the cap."""
+    usage = spool_usage(state_dir)
+    total = sum(u.bytes for u in usage)
+    removed = []
+    for item in usage:
+        if total <= cap_bytes:
+            break
+        if item.call_id in keep:
+            continue
+        remove_spool(state_dir, item.call_id)
+        removed.append(item.call_id)
+        total -= item.bytes
+    return removed, total
