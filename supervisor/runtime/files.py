@@ -22,6 +22,7 @@ import hashlib
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 from typing import Any
 
 from protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
@@ -29,7 +30,7 @@ from protocol.frames import ReadFileResult
 from protocol.tools import MAX_READ_LENGTH, ReadFileParams
 from supervisor.runtime.failures import ToolFailure
 
-__all__ = ["check_regular_file", "read_file_result"]
+__all__ = ["check_regular_file", "open_regular_file", "read_file_result"]
 
 READ_CHUNK_BYTES = 1024 * 1024
 # A file rewritten while we hash it is read again; a file that never holds still is an error.
@@ -71,23 +72,31 @@ def check_regular_file(mode: int) -> None:
         raise ToolFailure(INVALID_PARAMETERS, "The path is not a regular file.")
 
 
-def _read_once(target: Path, offset: int, length: int) -> tuple[str, int, bytes] | None:
-    """(git blob sha, size, bytes of the range), or None when the file changed meanwhile."""
+def open_regular_file(path: Path) -> tuple[BinaryIO, os.stat_result]:
+    """Open a regular file for reading, with its stat; ToolFailure for a directory or a
+    special file. FileNotFoundError and NotADirectoryError pass through: what they mean
+    depends on the tool (a missing file is an error to read, a file to create for a patch)."""
+    # O_NONBLOCK: opening a fifo must not wait for a writer; it is refused just below.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        # O_NONBLOCK: opening a fifo must not wait for a writer; it is refused just below.
-        fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ToolFailure(NOT_FOUND, "The file does not exist.") from None
-    except NotADirectoryError:
-        raise ToolFailure(NOT_FOUND, "A parent of the path is not a directory.") from None
-    try:
-        before = os.fstat(fd)
-        check_regular_file(before.st_mode)
+        info = os.fstat(fd)
+        check_regular_file(info.st_mode)
     except BaseException:
         os.close(fd)
         raise
     # fdopen refuses a directory's fd, hence the check above before it takes ownership.
-    with os.fdopen(fd, "rb") as file:
+    return os.fdopen(fd, "rb"), info
+
+
+def _read_once(target: Path, offset: int, length: int) -> tuple[str, int, bytes] | None:
+    """(git blob sha, size, bytes of the range), or None when the file changed meanwhile."""
+    try:
+        opened, before = open_regular_file(target)
+    except FileNotFoundError:
+        raise ToolFailure(NOT_FOUND, "The file does not exist.") from None
+    except NotADirectoryError:
+        raise ToolFailure(NOT_FOUND, "A parent of the path is not a directory.") from None
+    with opened as file:
         size = before.st_size
         # The git blob header needs the size first; what is read is checked against it.
         digest = hashlib.sha1(b"blob %d\0" % size)

@@ -60,7 +60,7 @@ from protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NO
 from protocol.frames import PatchResult
 from protocol.tools import ApplyFilePatchParams
 from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.files import check_regular_file
+from supervisor.runtime.files import open_regular_file
 from supervisor.fsutil import fsync_directory
 
 __all__ = [
@@ -397,20 +397,13 @@ def _parse_hunk(lines: list[bytes], i: int, index: int) -> tuple[_Hunk, int]:
 def _read_regular(path: Path) -> tuple[bytes, int] | None:
     """(bytes, permission bits) of a regular file; None when nothing is there."""
     try:
-        # O_NONBLOCK: opening a fifo must not wait for a writer; it is refused just below.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        opened, info = open_regular_file(path)
     except FileNotFoundError:
         _check_creatable(path)
         return None
     except NotADirectoryError:
         raise PatchError(INVALID_PARAMETERS, "A parent of the path is not a directory.") from None
-    try:
-        info = os.fstat(fd)
-        check_regular_file(info.st_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    with os.fdopen(fd, "rb") as file:
+    with opened as file:
         return file.read(), stat.S_IMODE(info.st_mode)
 
 
