@@ -34,15 +34,22 @@ async def apply_file_patch(running: RunningCall, runner: CallRunner) -> dict[str
     assert isinstance(params, ApplyFilePatchParams)
     ctx = running.context
     target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
-    async with runner.file_write_lock:
-        plan = await trio.to_thread.run_sync(plan_patch, target, params.path, params)
-        key = running.key
+    key = running.key
+
+    def plan_record_commit() -> dict[str, Any]:
+        # One worker-thread hop for the whole patch (reads, hashes, fsyncs): the planned
+        # result is recorded with the pending call before the write, as recovery needs.
+        plan = plan_patch(target, params.path, params)
         if key is not None:
-            intent = json.loads(runner.store.call_record(key).intent_json or "{}")
+            record = runner.store.call_record(key)
+            intent = json.loads(record.intent_json or "{}") if record else {}
             intent.update({"target": str(plan.path), "result": plan.result()})
             runner.store.set_call_intent(key, json.dumps(intent))
-        await trio.to_thread.run_sync(commit_patch, plan)
-    return plan.result()
+        commit_patch(plan)
+        return plan.result()
+
+    async with runner.file_write_lock:
+        return await trio.to_thread.run_sync(plan_record_commit)
 
 
 async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
