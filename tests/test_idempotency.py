@@ -164,3 +164,26 @@ async def test_replayed_result_survives_pruning(daemon):
     assert frame["body"]["call_id"] == retry
     assert frame["body"]["original"]["body"] == first
     assert frame["body"]["original"]["seq"] == 1
+
+
+async def test_a_store_failure_while_recording_a_call_is_a_typed_answer(daemon, session, monkeypatch):
+    """Injected failure of the state database (as with a full disk): the call is answered
+    `internal`, nothing runs, the socket stays usable, and the same key works afterwards."""
+    from supervisor.store import StoreError
+
+    def refuse(**_):
+        raise StoreError("database or disk is full")
+
+    store = daemon.supervisor.store
+    monkeypatch.setattr(store, "begin_call", refuse)
+    call_id = await session.call("apply_file_patch", create_call("g.txt", "g\n"), idempotency_key="k-g")
+    frame = await session.receive_until(lambda f: f["kind"] == "error")
+    assert frame["body"] == {
+        "code": "internal",
+        "message": "The supervisor could not record the call; nothing was run.",
+        "call_id": call_id,
+    }
+    assert not (daemon.layout.workspace / "g.txt").exists()
+    monkeypatch.undo()
+    result = await session.call_and_wait("apply_file_patch", create_call("g.txt", "g\n"), idempotency_key="k-g")
+    assert result["ok"] is True and (daemon.layout.workspace / "g.txt").read_text() == "g\n"

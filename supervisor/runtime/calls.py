@@ -18,10 +18,10 @@ import structlog
 import trio
 
 from protocol import errors
-from protocol.tools import TOOL_SCOPES, ToolCall, ToolCallError, call_digest, parse_tool_call
+from protocol.tools import TOOL_SCOPES, ToolCall, ToolCallError, call_digest, is_call_id, parse_tool_call
 from supervisor.journal import Journal
 from supervisor.runtime.failures import ToolFailure
-from supervisor.store import CallRecord, StateStore
+from supervisor.store import CallRecord, StateStore, StoreError
 
 log = structlog.get_logger("supervisor.calls")
 
@@ -162,6 +162,22 @@ class CallRunner:
     async def submit(self, body: Any, context: CallContext, reply: Reply) -> None:
         """Validate and dispatch one `tool.call` body. Everything up to the pending record is
         synchronous, so duplicates arriving together are ordered by the store, not by luck."""
+        try:
+            await self._submit(body, context, reply)
+        except StoreError:
+            # The state database refused (a full disk, say): the call was not recorded, so
+            # nothing ran; the client gets a typed answer and may retry with the same key.
+            log.exception("tool.record_failed")
+            call_id = body.get("call_id") if isinstance(body, dict) else None
+            await reply(
+                error_frame(
+                    errors.INTERNAL,
+                    "The supervisor could not record the call; nothing was run.",
+                    call_id if is_call_id(call_id) else None,
+                )
+            )
+
+    async def _submit(self, body: Any, context: CallContext, reply: Reply) -> None:
         try:
             call = parse_tool_call(body)
         except ToolCallError as exc:
