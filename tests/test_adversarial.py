@@ -1,0 +1,103 @@
+"""Hostile traffic against a real daemon subprocess: random request heads and a burst of
+rejected upgrades. The daemon must answer or drop each, never crash or hang, and hold no
+file descriptor afterwards."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import trio
+
+from testing.client import UpgradeRejected, http_request
+from testing.daemon import DaemonProcess, make_layout
+
+VALID_HEAD = (
+    b"GET /v1/control HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: Upgrade\r\n"
+    b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n"
+    b"x-coding-agent-connection-generation: 1\r\n\r\n"
+)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 8)):
+        choice = rng.random()
+        position = rng.randrange(len(out) + 1)
+        if choice < 0.4 and out:
+            out[min(position, len(out) - 1)] = rng.randrange(256)
+        elif choice < 0.7:
+            out[position:position] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        elif out:
+            del out[position : position + rng.randint(1, 16)]
+    return bytes(out)
+
+
+async def send_raw(endpoint, payload: bytes) -> bytes:
+    stream = await endpoint.open_stream()
+    try:
+        await stream.send_all(payload)
+        await stream.send_eof()
+        data = b""
+        with trio.move_on_after(3):
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+        return data
+    finally:
+        await stream.aclose()
+
+
+async def test_random_request_heads_never_crash_or_hang_the_daemon(tmp_path, authority):
+    rng = random.Random(7)
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"handshake_timeout_s": 1.0})
+    process = DaemonProcess(layout)
+    running = await process.start()
+    answered = 0
+    try:
+        for i in range(1500):
+            if i % 3 == 0:
+                payload = bytes(rng.randrange(256) for _ in range(rng.randint(0, 300)))
+            else:
+                payload = mutate(rng, VALID_HEAD)
+            data = await send_raw(running.tcp if i % 2 else running.unix, payload)
+            # Every answer is a complete HTTP response (or nothing: a dropped connection).
+            if data:
+                assert data.startswith(b"HTTP/1.1 "), data[:80]
+                answered += 1
+            assert process.proc.poll() is None, "the daemon died"
+        health = await http_request(running.tcp, "GET", "/healthz")
+        assert health.status == 200
+    finally:
+        assert await process.stop() == 0
+    assert answered > 1000
+    assert "Traceback" not in process.log_text()
+
+
+async def test_rejected_upgrades_leak_no_file_descriptors(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        client = running.client(sandbox_id="sbx-not-this-one")
+        for _ in range(20):  # warm up: lazily opened files, first-use allocations
+            try:
+                async with client.connect():
+                    pass
+            except UpgradeRejected:
+                pass
+        before = open_fds(process.proc.pid)
+        for i in range(400):
+            try:
+                async with client.connect(assertion=None if i % 2 else True):
+                    pass
+            except UpgradeRejected as rejected:
+                assert rejected.status in (401, 409)
+        await trio.sleep(0.5)  # lingering closes finish
+        after = open_fds(process.proc.pid)
+    finally:
+        assert await process.stop() == 0
+    assert after <= before
