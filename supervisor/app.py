@@ -42,7 +42,6 @@ from supervisor.identity import SandboxIdentity
 from supervisor.keyring import KeyRing
 from supervisor.logs import configure_logging, safe_log
 from supervisor.activation import ActivationError, open_daemon_listeners
-from supervisor.metrics import UPGRADE_ACCEPTED, SupervisorMetrics
 from supervisor.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from supervisor.journal import Journal
 from supervisor.runtime.calls import CallRunner, error_frame
@@ -125,8 +124,13 @@ class Supervisor:
         )
         # Named telemetry, not metrics: `metrics()` is the route. None while disabled, so the
         # hot paths pay one attribute check.
-        self.telemetry = SupervisorMetrics() if ws.metrics_enabled else None
-        if self.telemetry is not None:
+        self.telemetry = None
+        if ws.metrics_enabled:
+            # Imported only when enabled: prometheus_client costs ~2 MiB of an idle daemon.
+            from supervisor import metrics
+
+            self.telemetry = metrics.SupervisorMetrics()
+            self.accepted_label = metrics.UPGRADE_ACCEPTED
             self.telemetry.observe_journal(
                 lambda: store.snapshot().local_event_max, lambda: store.snapshot().ack_floor
             )
@@ -248,7 +252,7 @@ class Supervisor:
             else {}
         )
         if self.telemetry is not None:
-            self.telemetry.upgrade(UPGRADE_ACCEPTED if isinstance(decision, Admit) else decision.code)
+            self.telemetry.upgrade(self.accepted_label if isinstance(decision, Admit) else decision.code)
         if isinstance(decision, Admit):
             safe_log(log, "upgrade.accepted", **ids)
         else:

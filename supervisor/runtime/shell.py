@@ -33,7 +33,6 @@ from supervisor.oom import COMMAND_OOM_SCORE_ADJ, set_oom_score_adj
 from supervisor.runtime import processes
 from supervisor.runtime.calls import CallRunner, RunningCall
 from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.guard import check_allowed
 from supervisor.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
 from supervisor.runtime.paths import resolve_in_jail
 from supervisor.runtime.spool import (
@@ -191,6 +190,10 @@ class ShellRuntime:
         if not cwd.is_dir():
             raise ToolFailure(errors.INVALID_PARAMETERS, "cwd is not a directory.")
         if ctx.allowed_commands is not None:
+            # Imported on first use: the guard's tables cost ~2 MiB of an idle daemon, and
+            # most assertions carry no allowed_commands.
+            from supervisor.runtime.guard import check_allowed
+
             check_allowed(params.command, ctx.allowed_commands)
         if self.known_call(call.call_id):
             # A call_id names one execution; its spool must never mix two commands' bytes.
