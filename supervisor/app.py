@@ -131,9 +131,9 @@ class Supervisor:
 
             self.telemetry = metrics.SupervisorMetrics()
             self.accepted_label = metrics.UPGRADE_ACCEPTED
-            self.telemetry.observe_journal(
-                lambda: store.snapshot().local_event_max, lambda: store.snapshot().ack_floor
-            )
+            # Read at scrape time from what the journal already keeps: no query per scrape.
+            journal = self.journal
+            self.telemetry.observe_journal(lambda: journal.last_seq, lambda: journal.pruned_through)
         self.handshake_timeout_s = ws.handshake_timeout_s
         self.max_message_bytes = ws.max_message_bytes
         self.verifier_settings = VerifierSettings(

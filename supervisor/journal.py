@@ -23,11 +23,13 @@ class Journal:
         self._listeners: set[Callable[[], None]] = set()
         # The highest seq committed, kept here so a sender can tell "nothing new" without a
         # query. Everything that appends after start goes through this class.
-        self.last_seq = store.snapshot().local_event_max
+        snapshot = store.snapshot()
+        self.last_seq = snapshot.local_event_max
         # The most recent frames, dense by seq: a sender that keeps up reads live events
         # from here instead of querying sqlite for each one.
         self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_FRAMES)
-        self.pruned_through = store.snapshot().ack_floor  # what the store may have deleted
+        # The ack floor: what the store may have deleted (acks only ever go through here).
+        self.pruned_through = snapshot.ack_floor
 
     def frames_after(self, seq: int, limit: int) -> list[tuple[int, str]]:
         """Up to `limit` events after `seq`, in order: from memory when they are recent,

@@ -6,7 +6,6 @@ client; the daemon is killed with SIGKILL and restarted on the same state direct
 
 from __future__ import annotations
 
-import hashlib
 import random
 import signal
 import sqlite3
@@ -17,14 +16,11 @@ import trio_websocket
 from supervisor.store import DB_FILENAME
 from testing.client import UpgradeRejected
 from testing.daemon import DaemonProcess, make_layout
+from supervisor.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
 RETRIES = 3
 DISCONNECTED = (trio_websocket.ConnectionClosed, OSError, trio.TooSlowError, UpgradeRejected, trio.BrokenResourceError)
-
-
-def blob_sha(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def create_params(path: str, text: str) -> dict:
@@ -41,7 +37,7 @@ def append_params(path: str, lines: list[str], new_line: str) -> dict:
     if n == 0:
         return create_params(path, new_line)
     diff = f"--- a/{path}\n+++ b/{path}\n@@ -{n},1 +{n},2 @@\n {lines[-1]}\n+{new_line}\n"
-    return {"path": path, "diff": diff, "base_sha": blob_sha(old)}
+    return {"path": path, "diff": diff, "base_sha": git_blob_sha(old)}
 
 
 def journal_rows(state_dir):

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import base64
 import difflib
-import hashlib
 import os
 
 import pytest
+from supervisor.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
-
-
-def blob_sha(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def unified(path: str, old: str, new: str) -> str:
@@ -30,7 +26,7 @@ def patch_params(path: str, old: str | None, new: str | None) -> dict:
         diff = unified(path, old, "").replace(f"+++ b/{path}", "+++ /dev/null", 1)
     else:
         diff = unified(path, old, new)
-    base = ZERO if old is None else blob_sha(old.encode())
+    base = ZERO if old is None else git_blob_sha(old.encode())
     return {"path": path, "diff": diff, "base_sha": base}
 
 
@@ -43,7 +39,7 @@ async def test_create_modify_delete(daemon, session):
     assert created["result"] == {
         "path": "src/app.py",
         "old_sha": ZERO,
-        "new_sha": blob_sha(b"a\nb\n"),
+        "new_sha": git_blob_sha(b"a\nb\n"),
         "hunks": 1,
         "bytes": 4,
     }
@@ -51,7 +47,7 @@ async def test_create_modify_delete(daemon, session):
     modified = await session.call_and_wait(
         "apply_file_patch", patch_params("src/app.py", "a\nb\n", "a\nB\nc\n"), idempotency_key="c2"
     )
-    assert modified["result"]["new_sha"] == blob_sha(b"a\nB\nc\n")
+    assert modified["result"]["new_sha"] == git_blob_sha(b"a\nB\nc\n")
     assert (ws / "src/app.py").read_bytes() == b"a\nB\nc\n"
     assert os.stat(ws / "src/app.py").st_mode & 0o777 == 0o755
     deleted = await session.call_and_wait(
@@ -69,7 +65,7 @@ async def test_base_sha_mismatch_leaves_file_untouched(daemon, session):
     )
     assert result["ok"] is False
     assert result["error"]["code"] == "base_sha_mismatch"
-    assert result["error"]["current_sha"] == blob_sha(b"actual\n")
+    assert result["error"]["current_sha"] == git_blob_sha(b"actual\n")
     assert target.read_text() == "actual\n"
     missing = await session.call_and_wait(
         "apply_file_patch", patch_params("nope.txt", "x\n", "y\n"), idempotency_key="m2"
@@ -129,7 +125,7 @@ async def test_read_file_text_binary_and_paging(daemon, session):
     data = "héllo wörld\n".encode()
     assert text["result"] == {
         "path": "t.txt",
-        "sha": blob_sha(data),
+        "sha": git_blob_sha(data),
         "size": len(data),
         "offset": 0,
         "length": len(data),
@@ -142,7 +138,7 @@ async def test_read_file_text_binary_and_paging(daemon, session):
     page = await session.call_and_wait("read_file", {"path": "b.bin", "offset": 100, "length": 1000})
     assert page["result"]["encoding"] == "base64"
     assert base64.b64decode(page["result"]["content"]) == blob[100:1100]
-    assert page["result"]["eof"] is False and page["result"]["sha"] == blob_sha(blob)
+    assert page["result"]["eof"] is False and page["result"]["sha"] == git_blob_sha(blob)
     missing = await session.call_and_wait("read_file", {"path": "absent.txt"})
     assert missing["error"]["code"] == "not_found"
 
@@ -156,7 +152,7 @@ async def test_crlf_and_no_final_newline_preserved(daemon, session):
         "\\ No newline at end of file\n"
     )
     result = await session.call_and_wait(
-        "apply_file_patch", {"path": "w.txt", "diff": diff, "base_sha": blob_sha(old)}, idempotency_key="w1"
+        "apply_file_patch", {"path": "w.txt", "diff": diff, "base_sha": git_blob_sha(old)}, idempotency_key="w1"
     )
     assert result["ok"] is True, result
     assert target.read_bytes() == b"line1\r\nLINE2\r\nlast"

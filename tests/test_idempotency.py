@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 
 import trio
 
 from supervisor.runtime.calls import Outcome, idempotency_outcome
 from supervisor.store import CallRecord
+from supervisor.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
-
-
-def blob_sha(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 def create_diff(path: str, text: str) -> str:
@@ -109,7 +105,7 @@ async def test_duplicate_across_reconnect_runs_once(daemon):
         retry = await session.call("apply_file_patch", create_call("d.txt", "dee\n"), idempotency_key="k-d")
         outcome = await session.result(retry)
     assert outcome["ok"] is True
-    assert outcome["result"]["new_sha"] == blob_sha(b"dee\n")
+    assert outcome["result"]["new_sha"] == git_blob_sha(b"dee\n")
     results = [f for f in client.state.events.values() if f["kind"] == "tool.result"]
     assert len(results) == 1  # the replayed journal and the answer to the retry are one event
 

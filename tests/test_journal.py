@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 
 import trio
 
 from testing.daemon import in_process_daemon
-
-
-def blob_sha(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
 async def make_events(session, count: int, path: str = "note.txt") -> list[str]:
