@@ -29,7 +29,7 @@ import trio
 from protocol import errors
 from protocol.tools import ExecuteShellCommandParams
 from supervisor.journal import Journal
-from supervisor.oom import COMMAND_OOM_SCORE_ADJ, set_oom_score_adj
+from supervisor.oom import with_oom_score_adj
 from supervisor.runtime import processes
 from supervisor.runtime.calls import CallRunner, RunningCall
 from supervisor.runtime.failures import ToolFailure
@@ -302,8 +302,11 @@ class ShellRuntime:
                     LiveOutput(self.settings.throttle_ms, self.settings.max_chunk_bytes, self.settings.buffer_bytes),
                     StreamHeadTail(),
                 )
+            # Through the oom wrapper: the value is set in the process itself before the
+            # agent's shell execs, so nothing it forks can keep the daemon's protection. The
+            # wrapper execs, so the pid (and group leader) the daemon tracks is the shell's.
             process = await trio.lowlevel.open_process(
-                [choose_shell(self.settings.shell), "-c", params.command],
+                with_oom_score_adj([choose_shell(self.settings.shell), "-c", params.command]),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -324,10 +327,6 @@ class ShellRuntime:
         self.nursery.start_soon(self._tend, command)
         if self.telemetry is not None:
             self.telemetry.process_started()
-        # Written from here right after exec, while the shell is still starting: the wrapper
-        # alternative (oom.with_oom_score_adj) closes the tiny window before the shell forks,
-        # but costs an extra exec on every command, a third of a `true` call's budget.
-        set_oom_score_adj(process.pid, COMMAND_OOM_SCORE_ADJ)
         return command
 
     async def _wait(self, command: Command, timeout_s: float) -> bool:
