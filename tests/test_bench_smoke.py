@@ -1,4 +1,4 @@
-"""The benchmark suite (bench/) still runs: `bench/run.py --quick` exits 0 within 30 s and
+"""The benchmark suite (bench/) still runs: `bench/run.py --quick` exits 0 (in about 8 s here) and
 prints one report line per benchmark with a ratio and a target.
 
 This checks that the suite works, not how fast the daemon is: the ratios and PASS/MISS
@@ -27,7 +27,9 @@ BENCHMARKS = {
 REPORT_LINE = re.compile(
     r"^BENCH (?P<name>\S+) .* \| ratio (?P<ratio>\d+(\.\d+)?)x \| target (<=|>=) [^|]+ \| (PASS|MISS)\b"
 )
-QUICK_RUN_LIMIT_S = 30
+# A hang guard, not a speed check: four times the usual run still fits on a machine busy
+# with other work (the quick run took over 30 s with six CPU-bound processes on two cores).
+QUICK_RUN_LIMIT_S = 120
 
 
 @pytest.mark.slow
