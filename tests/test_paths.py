@@ -6,10 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from protocol.errors import INVALID_PARAMETERS, PATH_OUTSIDE_WORKSPACE
 from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.paths import PathOutsideWorkspace, resolve_in_jail
+from supervisor.runtime.paths import PathOutsideWorkspace, _kernel_real_path, resolve_in_jail
 
 
 @pytest.fixture
@@ -173,3 +175,49 @@ def test_the_error_object_validates_as_a_tool_error(workspace):
     failure = refused(workspace, "../x")
     error = ToolError.model_validate(failure.to_error())
     assert error.code == PATH_OUTSIDE_WORKSPACE and error.message == failure.message
+
+
+# --- the kernel's resolution agrees with the portable walk ----------------------------------
+
+NAMES = ["a", "b", "c", "..", "."]
+
+
+def _random_tree(root: Path, draw) -> None:
+    """Directories, files and symlinks (relative, absolute, dangling, looping) under root."""
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "c").mkdir()
+    (root / "a" / "f").write_text("f")
+    for index in range(draw(st.integers(0, 6))):
+        where = root / draw(st.sampled_from(["", "a", "a/b", "c"]))
+        target = draw(
+            st.one_of(
+                st.lists(st.sampled_from(NAMES + ["f", "l0", "l1", "missing"]), min_size=1, max_size=4).map(
+                    lambda parts: os.path.join(*parts)
+                ),
+                st.sampled_from([str(root / "a"), str(root / "a" / "f"), "/", str(root / "nowhere")]),
+            )
+        )
+        link = where / f"l{index}"
+        if not os.path.lexists(link):
+            link.symlink_to(target)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_kernels_resolution_matches_realpath_wherever_it_answers(tmp_path_factory, data):
+    root = tmp_path_factory.mktemp("tree")
+    _random_tree(root, data.draw)
+    parts = data.draw(st.lists(st.sampled_from(NAMES + ["f", "l0", "l1", "l2", "l3", "missing"]), max_size=5))
+    path = os.path.join(str(root), *parts)
+    fast = _kernel_real_path(path)
+    try:
+        expected = os.path.realpath(path, strict=True)
+    except OSError:
+        expected = None  # missing, dangling, a loop, a file used as a directory
+    if fast is None:
+        # It declines only where the kernel cannot open the path (the walk decides then):
+        # realpath fails there too, or answers lexically for a path the kernel refuses
+        # (`file/..`). Declining an openable path would silently lose the speed.
+        assert expected is None or not os.path.exists(path)
+    else:
+        assert fast == expected

@@ -82,6 +82,9 @@ class RunningCall:
 
 
 ToolFunction = Callable[[RunningCall, "CallRunner"], Awaitable[dict[str, Any]]]
+# A tool's synchronous fast path: the result at once, or None when the call needs the full
+# (awaiting) tool. It must not block for long: it runs in the socket's reader task.
+InlineFunction = Callable[[RunningCall, "CallRunner"], "dict[str, Any] | None"]
 
 
 def result_body(
@@ -139,13 +142,16 @@ class CallRunner:
         self.journal = journal
         self.nursery = nursery
         self.tools: dict[str, ToolFunction] = {}
+        self.inline: dict[str, InlineFunction] = {}
         # Patches are planned against a base sha and then written; two different keys
         # patching the same file at once must not both pass the check against one base.
         self.file_write_lock = trio.Lock()
         self.in_flight = trio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
-    def register(self, tool_name: str, function: ToolFunction) -> None:
+    def register(self, tool_name: str, function: ToolFunction, inline: InlineFunction | None = None) -> None:
         self.tools[tool_name] = function
+        if inline is not None:
+            self.inline[tool_name] = inline
 
     def journal_result(
         self, key: str | None, body: dict[str, Any], preceding: Sequence[tuple[str, dict[str, Any]]] = ()
@@ -216,7 +222,16 @@ class CallRunner:
             if not run:
                 self.in_flight.release()
         if run:
-            self.nursery.start_soon(self._run, RunningCall(call, context))
+            running = RunningCall(call, context)
+            try:
+                done = self._run_inline(running)
+            except BaseException:
+                self.in_flight.release()
+                raise
+            if done:
+                self.in_flight.release()
+            else:
+                self.nursery.start_soon(self._run, running)
 
     async def _claim(self, call: ToolCall, context: CallContext, reply: Reply) -> bool:
         """Claim the idempotency key (the store decides, synchronously, before any await) and
@@ -269,22 +284,52 @@ class CallRunner:
         finally:
             self.in_flight.release()
 
+    def _run_inline(self, running: RunningCall) -> bool:
+        """Finish a call on the spot when its tool has a fast path that answers now (a small
+        read_file): no task to spawn and no scheduler pass before its result is journaled.
+        Nothing here awaits, so the reader task it runs in cannot be cancelled half way.
+        False when the call needs its own task."""
+        call = running.call
+        inline = self.inline.get(call.tool_name)
+        if inline is None:
+            return False
+        started = time.monotonic()
+        try:
+            result = inline(running, self)
+            if result is None:
+                return False
+            body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
+        except Exception as exc:
+            body = self._failure_body(call, exc)
+        self._finish(running, body, started)
+        return True
+
     async def _execute(self, running: RunningCall) -> None:
         call = running.call
         started = time.monotonic()
         try:
             result = await self.tools[call.tool_name](running, self)
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
-        except ToolFailure as failure:
-            body = result_body(call.call_id, call.idempotency_key, call.tool_name, error=failure_error(failure))
-        except Exception:
-            log.exception("tool.crashed", call_id=call.call_id, tool=call.tool_name)
-            body = result_body(
-                call.call_id,
-                call.idempotency_key,
-                call.tool_name,
-                error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
-            )
+        except Exception as exc:
+            body = self._failure_body(call, exc)
+        self._finish(running, body, started)
+
+    def _failure_body(self, call: ToolCall, exc: Exception) -> dict[str, Any]:
+        """The tool.result body of a tool that raised: its own typed failure, or `internal`
+        (logged with the traceback, which never reaches the peer)."""
+        if isinstance(exc, ToolFailure):
+            return result_body(call.call_id, call.idempotency_key, call.tool_name, error=failure_error(exc))
+        log.error("tool.crashed", call_id=call.call_id, tool=call.tool_name, exc_info=exc)
+        return result_body(
+            call.call_id,
+            call.idempotency_key,
+            call.tool_name,
+            error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
+        )
+
+    def _finish(self, running: RunningCall, body: dict[str, Any], started: float) -> None:
+        """Journal the one tool.result (completing or freeing the key) and log the call."""
+        call = running.call
         try:
             if (
                 call.idempotency_key is not None

@@ -52,7 +52,9 @@ async def apply_file_patch(running: RunningCall, runner: CallRunner) -> dict[str
         return await trio.to_thread.run_sync(plan_record_commit)
 
 
-async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+def read_file_now(running: RunningCall, runner: CallRunner) -> dict[str, Any] | None:
+    """read_file's fast path, run by the CallRunner in the socket's own task: the result of a
+    small file at once (or its typed failure), None for a file worth a worker thread."""
     params = running.call.parameters
     assert isinstance(params, ReadFileParams)
     ctx = running.context
@@ -63,12 +65,23 @@ async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
         size = 0  # read_file_result reports the precise error
     if size <= INLINE_READ_MAX_BYTES:
         return read_file_result(target, params.path, params)
+    return None
+
+
+async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+    params = running.call.parameters
+    assert isinstance(params, ReadFileParams)
+    result = read_file_now(running, runner)
+    if result is not None:  # the file shrank since the fast path passed it on
+        return result
+    ctx = running.context
+    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
     return await trio.to_thread.run_sync(read_file_result, target, params.path, params)
 
 
 def register(runner: CallRunner) -> None:
     runner.register("apply_file_patch", apply_file_patch)
-    runner.register("read_file", read_file)
+    runner.register("read_file", read_file, inline=read_file_now)
 
 
 # --- crash recovery -------------------------------------------------------------------------

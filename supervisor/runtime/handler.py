@@ -38,6 +38,9 @@ class RuntimeHandler:
         self.conn = conn
         self.log = log
         self.sender = sender
+        # Built once: a connection's claims are fixed and the bound session does not change;
+        # building it per frame was a measurable share of a read_file call.
+        self._context: CallContext | None = None
 
     async def run(self) -> None:
         """Serve frames until the socket closes; the sender runs beside the reader."""
@@ -84,6 +87,11 @@ class RuntimeHandler:
         raise AssertionError(f"unhandled frame kind {frame.kind}")  # the decoder knows no other
 
     def context(self) -> CallContext:
+        if self._context is None:
+            self._context = self._build_context()
+        return self._context
+
+    def _build_context(self) -> CallContext:
         claims = self.conn.claims
         session = self.sup.session
         assert session is not None  # attached implies bound
