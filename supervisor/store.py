@@ -25,7 +25,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # meta keys
 META_FENCE_GENERATION = "fence_generation"
@@ -37,6 +37,15 @@ META_ACK_FLOOR = "ack_floor"
 META_LAST_SEQ = "last_seq"
 
 _FRAME_SEPARATORS = (",", ":")
+
+# Process groups started for shell commands, kept until the group is gone, so that a
+# restarted daemon can kill what a crashed one left behind (PROTOCOL 10).
+_PROCESSES_TABLE = """CREATE TABLE IF NOT EXISTS processes (
+            call_id TEXT PRIMARY KEY,
+            pid INTEGER NOT NULL,
+            pgid INTEGER NOT NULL,
+            start_ticks INTEGER NOT NULL,
+            recorded_at REAL NOT NULL)"""
 
 # Each entry migrates the schema from version (index) to version (index + 1).
 _MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -67,15 +76,15 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
             intent_json TEXT,
             created_at REAL NOT NULL,
             completed_at REAL)""",
-        # Process groups started for shell commands, kept until the group is gone, so that
-        # a restarted daemon can kill what a crashed one left behind (PROTOCOL 10).
-        """CREATE TABLE processes (
-            call_id TEXT PRIMARY KEY,
-            pid INTEGER NOT NULL,
-            pgid INTEGER NOT NULL,
-            start_ticks INTEGER NOT NULL,
-            recorded_at REAL NOT NULL)""",
+        _PROCESSES_TABLE,
         "CREATE INDEX idempotency_pending ON idempotency (state) WHERE state = 'pending'",
+    ),
+    (
+        # Version 1 kept every event's body twice (body_json beside the frame_json that
+        # holds it), doubling what each event writes to the WAL; nothing read body_json.
+        "ALTER TABLE events DROP COLUMN body_json",
+        # Unreleased builds wrote version 1 before the processes table existed.
+        _PROCESSES_TABLE,
     ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
@@ -547,14 +556,13 @@ class StateStore:
                 raise ValueError("an event body must be a dict")
             seq = last_seq + offset
             body_json = _encode_body(body)
-            rows.append((seq, kind, body_json, _frame_from_body_json(kind, seq, body_json), now))
+            rows.append((seq, kind, _frame_from_body_json(kind, seq, body_json), now))
         conn.executemany(
-            "INSERT INTO events (seq, kind, body_json, frame_json, created_at)"
-            " VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO events (seq, kind, frame_json, created_at) VALUES (?, ?, ?, ?)",
             rows,
         )
         _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
-        return [(seq, frame_json) for seq, _, _, frame_json, _ in rows]
+        return [(seq, frame_json) for seq, _, frame_json, _ in rows]
 
 
 def _read_meta(conn: sqlite3.Connection, *keys: str) -> dict[str, str]:

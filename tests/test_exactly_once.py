@@ -43,7 +43,7 @@ def append_params(path: str, lines: list[str], new_line: str) -> dict:
 def journal_rows(state_dir):
     conn = sqlite3.connect(state_dir / DB_FILENAME)
     try:
-        events = conn.execute("SELECT seq, kind, body_json FROM events ORDER BY seq").fetchall()
+        events = conn.execute("SELECT seq, kind, frame_json FROM events ORDER BY seq").fetchall()
         last = conn.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()
         pending = conn.execute("SELECT COUNT(*) FROM idempotency WHERE state = 'pending'").fetchone()[0]
     finally:
@@ -165,9 +165,9 @@ async def test_random_kill_9_while_patches_flow(tmp_path, authority):
     import json
 
     per_key: dict[str, int] = {}
-    for _, kind, body_json in events:
+    for _, kind, frame_json in events:
         if kind == "tool.result":
-            key = json.loads(body_json)["idempotency_key"]
+            key = json.loads(frame_json)["body"]["idempotency_key"]
             per_key[key] = per_key.get(key, 0) + 1
     assert per_key == {f"ledger-{k}": 1 for k in range(40)}
     # Some kills landed while a call was in flight: its record was found pending at start.

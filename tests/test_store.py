@@ -76,6 +76,40 @@ def test_a_newer_schema_is_refused(state_dir: Path) -> None:
         StateStore.open(state_dir)
 
 
+def test_a_version_1_journal_is_migrated_with_its_events_intact(state_dir: Path) -> None:
+    """A daemon upgraded over a version-1 state database keeps every retained event, seq
+    for seq and byte for byte, and journals on without the duplicated body column."""
+    from supervisor.store import _MIGRATIONS
+
+    state_dir.mkdir()
+    conn = sqlite3.connect(state_dir / DB_FILENAME)
+    # Version 1 as unreleased builds wrote it: without the processes table.
+    for statement in _MIGRATIONS[0]:
+        if "processes" not in statement:
+            conn.execute(statement)
+    old_frames = [(seq, encode_event_frame("exec.output", seq, {"n": seq, "text": "é\n"})) for seq in (1, 2, 3)]
+    conn.executemany(
+        "INSERT INTO events (seq, kind, body_json, frame_json, created_at) VALUES (?, 'exec.output', '{}', ?, 0)",
+        old_frames,
+    )
+    conn.execute("INSERT INTO meta (key, value) VALUES ('last_seq', '3')")
+    conn.execute("PRAGMA user_version=1")
+    conn.commit()
+    conn.close()
+    with StateStore.open(state_dir) as migrated:
+        assert migrated.events_after(0, 10) == old_frames
+        rows = migrated.append_events([("tool.result", {"ok": True})])
+        assert [seq for seq, _ in rows] == [4]
+        assert migrated.recorded_processes() == []  # the table exists now
+    conn = sqlite3.connect(state_dir / DB_FILENAME)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
+    finally:
+        conn.close()
+    assert columns == ["seq", "kind", "frame_json", "created_at"]
+
+
 def test_fresh_snapshot_is_unbound_and_empty(store: StateStore) -> None:
     snap = store.snapshot()
     assert snap.terminated is None
