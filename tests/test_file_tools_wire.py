@@ -100,6 +100,21 @@ async def test_jail_escapes_over_the_wire(daemon, session, tmp_path, path):
     assert not (tmp_path / "x.txt").exists()
 
 
+async def test_a_name_longer_than_the_file_system_allows_is_a_typed_error(daemon, session):
+    # NAME_MAX is 255 bytes: the kernel refuses the name (ENAMETOOLONG). That is the caller's
+    # parameter, not a crash of the supervisor.
+    path = "n" * 300 + ".txt"
+    patched = await session.call_and_wait(
+        "apply_file_patch", patch_params(path, None, "x\n"), idempotency_key="long-name"
+    )
+    read = await session.call_and_wait("read_file", {"path": path})
+    for result in (patched, read):
+        assert result["ok"] is False
+        assert result["error"]["code"] == "invalid_parameters"
+        assert "File name too long" in result["error"]["message"]
+    assert os.listdir(daemon.layout.workspace) == []
+
+
 async def test_allowed_paths_from_the_assertion(daemon):
     ws = daemon.layout.workspace
     (ws / "src").mkdir()

@@ -145,3 +145,17 @@ def test_ranges_across_read_chunks_are_exact(tmp_path_factory, data, offset, len
     assert content_bytes(result) == data[offset : offset + length]
     assert result["sha"] == git_blob_sha(data)
     assert result["eof"] is (offset + result["length"] >= len(data))
+
+
+def test_os_errors_become_typed_failures_with_the_systems_words():
+    import errno as errno_module
+
+    from protocol.errors import INTERNAL
+    from supervisor.runtime.failures import os_failure
+
+    denied = os_failure(PermissionError(errno_module.EACCES, "Permission denied"), "read")
+    assert (denied.code, denied.message) == (INTERNAL, "The file could not be read: Permission denied.")
+    full = os_failure(OSError(errno_module.ENOSPC, "No space left on device"), "written")
+    assert (full.code, full.message) == (INTERNAL, "The file could not be written: No space left on device.")
+    long_name = os_failure(OSError(errno_module.ENAMETOOLONG, "File name too long"), "read")
+    assert long_name.code == INVALID_PARAMETERS

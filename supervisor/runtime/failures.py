@@ -7,9 +7,10 @@ name where a failure comes from; the wire sees `code`, `message` and the details
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
-from protocol.errors import TOOL_ERROR_CODES
+from protocol.errors import INTERNAL, INVALID_PARAMETERS, TOOL_ERROR_CODES
 
 # Keys of the error object that details may not overwrite.
 _RESERVED_KEYS = frozenset({"code", "message"})
@@ -41,3 +42,14 @@ class ToolFailure(Exception):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.code!r}, {self.message!r}, {self.details!r})"
+
+
+def os_failure(exc: OSError, action: str) -> ToolFailure:
+    """A typed answer for an OSError the file system gave a file tool (`action`: "read",
+    "written"), instead of a crash logged with a traceback: a name longer than the file
+    system allows is the caller's `invalid_parameters`; anything else (permission denied, a
+    full disk, an I/O error) is `internal` with the system's own words."""
+    reason = exc.strerror or type(exc).__name__
+    if exc.errno == errno.ENAMETOOLONG:
+        return ToolFailure(INVALID_PARAMETERS, f"The path could not be {action}: {reason}.")
+    return ToolFailure(INTERNAL, f"The file could not be {action}: {reason}.")

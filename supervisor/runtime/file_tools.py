@@ -18,7 +18,7 @@ import trio
 from protocol import errors
 from protocol.tools import ApplyFilePatchParams, ReadFileParams
 from supervisor.runtime.calls import CallRunner, RunningCall, failure_error, result_body
-from supervisor.runtime.failures import ToolFailure
+from supervisor.runtime.failures import ToolFailure, os_failure
 from supervisor.runtime.files import read_file_result
 from supervisor.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
 from supervisor.runtime.paths import resolve_in_jail
@@ -49,7 +49,12 @@ async def apply_file_patch(running: RunningCall, runner: CallRunner) -> dict[str
         return plan.result()
 
     async with runner.file_write_lock:
-        return await trio.to_thread.run_sync(plan_record_commit)
+        try:
+            return await trio.to_thread.run_sync(plan_record_commit)
+        except OSError as exc:
+            # Refused by the file system while reading or writing (the atomic write leaves
+            # the old file in place): a typed answer, not a crash.
+            raise os_failure(exc, "written") from None
 
 
 def read_file_now(running: RunningCall, runner: CallRunner) -> dict[str, Any] | None:

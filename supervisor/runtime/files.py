@@ -28,7 +28,7 @@ from typing import Any
 from protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
 from protocol.frames import ReadFileResult
 from protocol.tools import MAX_READ_LENGTH, ReadFileParams
-from supervisor.runtime.failures import ToolFailure
+from supervisor.runtime.failures import ToolFailure, os_failure
 
 __all__ = ["check_regular_file", "open_regular_file", "read_file_result"]
 
@@ -41,7 +41,10 @@ def read_file_result(target: Path, display_path: str, params: ReadFileParams) ->
     """The read_file result for `target` (a jailed real path); raises ToolFailure."""
     length = MAX_READ_LENGTH if params.length is None else params.length
     for _ in range(MAX_READ_ATTEMPTS):
-        read = _read_once(target, params.offset, length)
+        try:
+            read = _read_once(target, params.offset, length)
+        except OSError as exc:
+            raise os_failure(exc, "read") from None
         if read is not None:
             break
     else:
