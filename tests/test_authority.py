@@ -38,6 +38,7 @@ from testing.authority import (
     strip_kid,
     tamper_payload,
 )
+from testing.fuzzing import fuzz_settings
 
 NOW = 1_700_000_000
 LEEWAY = 30
@@ -406,7 +407,8 @@ def test_key_rotation_accepts_both_keys(
         assert verify_assertion(token, rotating, verifier_settings, HEADERS, NOW).iss
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(300)
 @given(
     st.text(max_size=300)
     | st.from_regex(
@@ -419,7 +421,8 @@ def test_arbitrary_tokens_raise_only_authority_error(token: str) -> None:
         verify_assertion(token, keys, VerifierSettings(issuer="x"), HEADERS, NOW)
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(300)
 @given(
     header=st.dictionaries(
         st.sampled_from(["alg", "kid", "typ", "cty", "zip"]) | st.text(max_size=4),

@@ -49,6 +49,7 @@ from protocol.frames import (
     encode_frame,
 )
 from protocol.headers import MAX_SAFE_INTEGER
+from testing.fuzzing import fuzz_settings
 
 CALL_ID = "6f1c2a0e-8d4b-4c1e-9a57-0b7e3f2d1c44"
 
@@ -473,19 +474,22 @@ def _decode_or_frame_error(raw: str | bytes) -> None:
         assert error.call_id is None or isinstance(error.call_id, str)
 
 
-@settings(max_examples=500, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(500)
 @given(st.text(max_size=200) | st.binary(max_size=200))
 def test_arbitrary_text_and_bytes_raise_only_frame_error(raw: str | bytes) -> None:
     _decode_or_frame_error(raw)
 
 
-@settings(max_examples=800, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(800)
 @given(_frame_like | _json_values)
 def test_arbitrary_json_raises_only_frame_error(document: object) -> None:
     _decode_or_frame_error(json.dumps(document))
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(300)
 @given(st.sampled_from(sorted(CLIENT_KINDS)), st.data())
 def test_valid_frames_with_one_value_replaced_never_escape(kind: str, data: st.DataObject) -> None:
     document = sample(kind)

@@ -12,10 +12,21 @@ import struct
 
 import pytest
 import trio
+from hypothesis import event, given
+from hypothesis import strategies as st
 
 from supervisor.gate import Lifecycle
+from supervisor.http_front import (
+    HeadReader,
+    HeadTooLarge,
+    MalformedHead,
+    Route,
+    RoutePaths,
+    classify,
+)
 from testing.client import Endpoint, http_request
 from testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from testing.fuzzing import fuzz_settings
 
 MAX_MESSAGE = 128 * 1024
 
@@ -319,3 +330,73 @@ async def test_message_limit_counts_bytes_not_characters(daemon):
         await session.ws.send_message("€" * 44000)
         reason = await session.closed_reason()
     assert reason.code == 1009
+
+
+# --- the request-head parser under arbitrary bytes -----------------------------------------
+
+_HEAD_PIECES = st.sampled_from(
+    [b"GET ", b"POST ", b"/control", b"/healthz", b"/metrics", b" HTTP/1.1", b" HTTP/1.0", b"\r\n",
+     b"\n", b"\r", b"Host: x", b"Upgrade: websocket", b"Connection: Upgrade", b"Sec-WebSocket-Key: ",
+     b"Sec-WebSocket-Version: 13", b": ", b"\x00", b"\xff", b" ", b"\t", b"?", b"%", b"Transfer-Encoding: chunked",
+     b"Content-Length: 5", b"x" * 300]
+)
+
+
+def _mostly(valid: list[bytes], other: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    """A valid value nine times in ten, else anything from `other`."""
+    return st.integers(0, 9).flatmap(lambda n: other if n == 0 else st.sampled_from(valid))
+
+
+_HEADER_NAMES = _mostly(
+    [b"Host", b"Upgrade", b"Connection", b"Sec-WebSocket-Key", b"Sec-WebSocket-Version", b"X-Sandbox-Id",
+     b"Content-Length", b"Transfer-Encoding"],
+    st.binary(max_size=12),
+)
+_HEADER_VALUES = _mostly(
+    [b"x", b"websocket", b"Upgrade", b"keep-alive, Upgrade", b"13", b"dGhlIHNhbXBsZSBub25jZQ==", b"0", b"chunked"],
+    st.binary(max_size=40),
+)
+# Mostly well-formed heads with arbitrary parts, so the parser's accepting paths are fuzzed
+# too, not only its first refusal.
+_REQUESTS = st.builds(
+    lambda method, target, version, headers, tail: (
+        method + b" " + target + b" " + version + b"\r\n"
+        + b"".join(name + b": " + value + b"\r\n" for name, value in headers) + b"\r\n" + tail
+    ),
+    _mostly([b"GET", b"POST", b"HEAD"], st.binary(max_size=6)),
+    _mostly([b"/control", b"/healthz", b"/metrics", b"/healthz?x=1", b"*"], st.binary(max_size=20)),
+    _mostly([b"HTTP/1.1", b"HTTP/1.0"], st.binary(max_size=9)),
+    st.lists(st.tuples(_HEADER_NAMES, _HEADER_VALUES), max_size=6),
+    st.binary(max_size=20),
+)
+
+
+@pytest.mark.fuzz
+@fuzz_settings(500)
+@given(
+    data=_REQUESTS | st.lists(_HEAD_PIECES | st.binary(max_size=40), max_size=30).map(b"".join),
+    cuts=st.lists(st.integers(min_value=1, max_value=64), max_size=10),
+    max_bytes=st.sampled_from([128, 16 * 1024, 16 * 1024]),
+)
+def test_arbitrary_bytes_give_a_head_or_a_typed_refusal(data, cuts, max_bytes) -> None:
+    """Whatever arrives, in whatever chunks, the sans-IO reader answers with a head, asks
+    for more, or refuses with HeadTooLarge / MalformedHead, and a head always classifies."""
+    chunks, position = [], 0
+    for cut in cuts:
+        chunks.append(data[position : position + cut])
+        position += cut
+    chunks.append(data[position:])
+    chunks.append(b"")  # then EOF
+    reader = HeadReader(max_bytes)
+    for chunk in chunks:
+        try:
+            head = reader.feed(chunk)
+        except (HeadTooLarge, MalformedHead) as refusal:
+            event(type(refusal).__name__)
+            return
+        if head is not None:
+            event("head")
+            assert len(reader.head_bytes) <= max_bytes
+            assert classify(head, RoutePaths(control="/control", health="/healthz", metrics="/metrics")) in Route
+            return
+    raise AssertionError("EOF must end the head or refuse it")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from protocol.errors import FORBIDDEN
 from supervisor.runtime.failures import ToolFailure
 from supervisor.runtime.guard import GuardRefusal, check_allowed, simple_command_names
+from testing.fuzzing import fuzz_settings
 
 NAMED = [
     # plain commands, paths, arguments
@@ -245,7 +246,8 @@ _SHELL_PIECES = st.sampled_from(
 _TEXT = st.text(max_size=80) | st.lists(_SHELL_PIECES, max_size=40).map("".join)
 
 
-@settings(max_examples=1000, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(1000)
 @given(_TEXT)
 def test_any_text_gives_names_or_a_refusal(command: str) -> None:
     try:
@@ -256,7 +258,8 @@ def test_any_text_gives_names_or_a_refusal(command: str) -> None:
         assert all(isinstance(name, str) for name in names)
 
 
-@settings(max_examples=1000, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(1000)
 @given(_TEXT, st.lists(st.sampled_from(["a", "b", "env", "make", ""]), max_size=3))
 def test_check_allowed_raises_only_forbidden(command: str, allowed: list[str]) -> None:
     try:

@@ -20,6 +20,7 @@ from protocol.headers import (
     RoutingHeaders,
     parse_routing_headers,
 )
+from testing.fuzzing import fuzz_settings
 
 VALID = {
     SANDBOX_ID_HEADER: "sbx-1",
@@ -199,7 +200,8 @@ _values = st.one_of(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(500)
 @given(
     extra=st.lists(st.tuples(_names, _values), max_size=12),
     keep=st.lists(st.booleans(), min_size=len(VALID), max_size=len(VALID)),

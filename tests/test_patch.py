@@ -34,6 +34,7 @@ from supervisor.runtime.patch import (
     plan_patch,
     recover_patch,
 )
+from testing.fuzzing import fuzz_settings
 
 NO_NEWLINE = b"\\ No newline at end of file\n"
 
@@ -681,3 +682,38 @@ def test_make_diff_agrees_with_git_apply(tmp_path):
     )
     assert target.read_bytes() == new
     assert apply_unified_diff(old, make_diff(old, new)).new == new
+
+
+# --- the diff parser under arbitrary text -----------------------------------------------------
+
+_DIFF_PIECES = st.sampled_from(
+    ["--- a/f.txt\n", "+++ b/f.txt\n", "--- /dev/null\n", "+++ /dev/null\n", "@@ -1,2 +1,2 @@\n",
+     "@@ -0,0 +1 @@\n", "@@ -1 +0,0 @@\n", "@@ -3,1 +3,1 @@ ctx\n", "@@ -99999999999999999999,1 +1 @@\n",
+     " keep\n", "-old\n", "+new\n", "\\ No newline at end of file\n", "diff --git a/f.txt b/f.txt\n",
+     "index 0000000..1111111 100644\n", "rename from x\n", "Binary files differ\n", "GIT binary patch\n",
+     "\r\n", "\n", " ", "-", "+", "@@", "\x00", "é"]
+)
+
+
+@pytest.mark.fuzz
+@fuzz_settings(300)
+@given(
+    diff=st.one_of(
+        st.lists(_DIFF_PIECES, max_size=25).map("".join),
+        st.builds(lambda pair, cut, noise: make_diff(*pair)[:cut] + noise, file_pairs(), st.integers(0, 400), st.text(max_size=8)),
+        st.text(max_size=300),
+    ),
+    original=st.none() | st.sampled_from([b"", b"keep\nold\n", b"old\r\nkeep", b"\xff\xfe\n"]) | st.binary(max_size=60),
+)
+def test_arbitrary_diffs_apply_or_raise_a_typed_patch_error(diff: str, original: bytes | None) -> None:
+    """Any text against any file: a result, or PatchError with a code of the protocol and an
+    error object that validates — never another exception."""
+    try:
+        outcome = apply_unified_diff(original, diff)
+    except PatchError as failure:
+        assert failure.code in {INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY}
+        ToolError.model_validate(failure.to_error())
+    else:
+        # Without hunks a diff may only create or delete an empty file (docs/protocol.md 7.2).
+        assert outcome.hunks >= 1 or outcome.new == b"" or (outcome.new is None and not original)
+        assert outcome.new is None or isinstance(outcome.new, bytes)

@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 
 from protocol.errors import INVALID_PARAMETERS, PATH_OUTSIDE_WORKSPACE
 from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.paths import PathOutsideWorkspace, _kernel_real_path, resolve_in_jail
+from supervisor.runtime.paths import (
+    PathOutsideWorkspace,
+    _kernel_real_path,
+    resolve_in_jail,
+)
+from testing.fuzzing import fuzz_settings
 
 
 @pytest.fixture
@@ -221,3 +226,28 @@ def test_the_kernels_resolution_matches_realpath_wherever_it_answers(tmp_path_fa
         assert expected is None or not os.path.exists(path)
     else:
         assert fast == expected
+
+
+@pytest.mark.fuzz
+@fuzz_settings(300)
+@given(
+    relative=st.lists(st.sampled_from(NAMES + ["f", "l0", "l1", "missing", "", "/", "//", "\x00", "é", "n" * 300]), max_size=6).map("/".join)
+    | st.text(max_size=60),
+    allowed=st.none() | st.lists(st.sampled_from(["a", "a/b", "c", "..", "", "l0"]), max_size=3),
+)
+def test_arbitrary_paths_resolve_inside_or_raise_a_typed_failure(tmp_path_factory, relative, allowed):
+    """Any text an agent sends as a path: a real path inside agent.cwd (and an allowed path),
+    or a ToolFailure with a code of the protocol — never another exception."""
+    root = tmp_path_factory.mktemp("jail")
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "c").mkdir()
+    (root / "a" / "f").write_text("f")
+    (root / "l0").symlink_to("a")
+    (root / "l1").symlink_to("/")
+    try:
+        resolved = resolve_in_jail(str(root), relative, allowed)
+    except ToolFailure as failure:
+        assert failure.code in {INVALID_PARAMETERS, PATH_OUTSIDE_WORKSPACE, "not_found"}
+    else:
+        real_root = os.path.realpath(root)
+        assert str(resolved) == real_root or str(resolved).startswith(real_root + os.sep)

@@ -25,6 +25,7 @@ from protocol.tools import (
     call_digest,
     parse_tool_call,
 )
+from testing.fuzzing import fuzz_settings
 
 CALL_ID = "0b9d2f4e-1c3a-4e5f-8a7b-6c5d4e3f2a1b"
 SHA = "3b18e512dba79e4c8300dd08aeb37f8e728b8dad"
@@ -277,7 +278,8 @@ _json_values = st.recursive(
 )
 
 
-@settings(max_examples=500, deadline=None)
+@pytest.mark.fuzz
+@fuzz_settings(500)
 @given(
     st.fixed_dictionaries(
         {},
