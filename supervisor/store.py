@@ -82,7 +82,17 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     (
         # Version 1 kept every event's body twice (body_json beside the frame_json that
         # holds it), doubling what each event writes to the WAL; nothing read body_json.
-        "ALTER TABLE events DROP COLUMN body_json",
+        # Rebuilt rather than ALTER TABLE … DROP COLUMN, which needs sqlite 3.35 (Debian
+        # 11 ships 3.34).
+        """CREATE TABLE events_v2 (
+            seq INTEGER PRIMARY KEY,
+            kind TEXT NOT NULL,
+            frame_json TEXT NOT NULL,
+            created_at REAL NOT NULL)""",
+        "INSERT INTO events_v2 (seq, kind, frame_json, created_at)"
+        " SELECT seq, kind, frame_json, created_at FROM events",
+        "DROP TABLE events",
+        "ALTER TABLE events_v2 RENAME TO events",
         # Unreleased builds wrote version 1 before the processes table existed.
         _PROCESSES_TABLE,
     ),
