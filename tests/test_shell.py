@@ -11,6 +11,7 @@ import uuid
 import trio
 
 from supervisor.runtime.processes import group_members, read_stat
+from supervisor.runtime.spool import spool_dir
 from testing.daemon import in_process_daemon, make_layout
 
 
@@ -251,7 +252,7 @@ async def test_timeout_kills_grandchild_that_ignores_sigterm(tmp_path, authority
     body = result["result"]
     assert body["timed_out"] is True
     assert "started" in body["stdout"]["head"]
-    with trio.fail_after(3):
+    with trio.fail_after(10):
         while group_members(started["pgid"]):
             await trio.sleep(0.02)
     assert_group_gone(started["pgid"])
@@ -355,7 +356,11 @@ async def test_spools_past_the_disk_cap_lose_their_oldest_finished_calls(tmp_pat
                 result, call_id = await run_collect(session, "head -c 60000 /dev/zero")
                 assert result["ok"] is True
                 ids.append(call_id)
-            await trio.sleep(0.3)  # the last command's output tasks finish and prune
+            # The last command's output tasks finish, then the prune runs: wait for it
+            # (bounded) rather than sleep a guess that a loaded machine can overrun.
+            with trio.move_on_after(10):
+                while any(spool_dir(layout.state_dir, old).exists() for old in ids[:2]):
+                    await trio.sleep(0.02)
             for old in ids[:2]:
                 await session.send("exec.read_output", {"call_id": old, "stream": "stdout", "offset": 0, "length": 10})
                 frame = await session.receive_until(lambda f: f["kind"] in ("error", "exec.output_page"))
