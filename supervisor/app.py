@@ -374,6 +374,12 @@ class Supervisor:
         ):
             conn.request_close(sessions.CLOSE_POLICY_VIOLATION, sessions.BOOTSTRAP_MISMATCH_REASON)
             return
+        if not (self.hub.is_authoritative(conn) and conn.generation == self.fence_generation):
+            # A newer upgrade passed the gate while this socket was silent (its own 101 may
+            # never have completed, so nothing superseded this one yet): a fenced-out attempt
+            # must not bind the session, nor terminate it with a mismatched body.
+            conn.request_close(sessions.CLOSE_POLICY_VIOLATION, sessions.SUPERSEDED_REASON)
+            return
         if not await self.handle_bootstrap(conn, frame, bound_log):
             return
         # Replay starts after the floor the client declared in its upgrade; the same cursor

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import pytest
 import trio
+import trio_websocket
 
 from testing.client import UpgradeRejected
 from testing.daemon import in_process_daemon
@@ -176,3 +180,47 @@ def test_connection_admitted_earlier_never_supersedes_a_later_one():
     newest = conn(3, 7)
     hub.admit(newest)
     assert hub.authoritative is newest and later.close_request == SUPERSEDED
+
+
+def _upgrade_head(client, generation: int, attempt_id: str) -> bytes:
+    token = client.mint(generation=generation, attempt_id=attempt_id, ack_floor=0)
+    headers = client.routing_headers(generation=generation, attempt_id=attempt_id, ack_floor=0, assertion=token)
+    lines = [
+        b"GET /v1/control HTTP/1.1",
+        b"Host: localhost",
+        b"Upgrade: websocket",
+        b"Connection: Upgrade",
+        b"Sec-WebSocket-Version: 13",
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        *(name.encode() + b": " + value.encode() for name, value in headers),
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+async def test_a_fenced_out_socket_cannot_bind_with_its_first_bootstrap(daemon):
+    """A newer upgrade passes the gate (the fence moves) but its 101 never reaches the
+    client, so nothing supersedes the older, still silent socket. That socket's bootstrap
+    must not bind the session: it is closed as superseded, and the session stays unbound."""
+    client = daemon.client()
+    supervisor = daemon.supervisor
+    async with client.connect(generation=1) as old:
+        # Send a generation-2 head and reset the connection at once: when the daemon has
+        # read the head before the reset, the gate admits it (fencing generation 1 out) and
+        # its 101 fails. When the reset comes first nothing is admitted; try again.
+        for attempt in range(100):
+            stream = await daemon.tcp.open_stream()
+            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await stream.send_all(_upgrade_head(client, 2 + attempt, f"reset-{attempt}"))
+            await trio.aclose_forcefully(stream)
+            with trio.move_on_after(1):
+                while supervisor.fence_generation == 1:
+                    await trio.sleep(0.01)
+            if supervisor.fence_generation > 1:
+                break
+        assert supervisor.fence_generation > 1, "no reset upgrade was admitted"
+        # Nothing superseded the old socket: only the fence says it is out of date.
+        assert supervisor.hub.authoritative is not None and supervisor.hub.authoritative.generation == 1
+        with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+            await old.bootstrap(cwd=str(daemon.layout.workspace))
+    assert (closed.value.reason.code, closed.value.reason.reason) == SUPERSEDED
+    assert supervisor.store.binding() is None
