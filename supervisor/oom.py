@@ -26,10 +26,19 @@ COMMAND_OOM_SCORE_ADJ = 100
 OOM_SCORE_ADJ_MIN = -1000
 OOM_SCORE_ADJ_MAX = 1000
 WRAPPER_SHELL = "/bin/sh"
-# $0 is the value; the rest is the command to exec. The write is best effort (a kernel without
-# the file, or a value the kernel refuses, must not stop the command), and the `exec` keeps the
-# pid, so the process (group) the daemon started is the command itself.
-_WRAPPER_SCRIPT = 'echo "$0" > /proc/self/oom_score_adj 2>/dev/null; exec "$@"'
+OOM_SCORE_ADJ_FILE = "/proc/self/oom_score_adj"
+
+
+def _wrapper_script(target: str) -> str:
+    # $0 is the value; the rest is the command to exec. The write is best effort (a kernel
+    # without the file, or a value the kernel refuses, must not stop the command) and silent:
+    # stderr is redirected *before* the file is opened, since a shell reports a failed open
+    # on the stderr it has at that moment. The `exec` keeps the pid, so the process (group)
+    # the daemon started is the command itself.
+    return f'echo "$0" 2>/dev/null >{target}; exec "$@"'
+
+
+_WRAPPER_SCRIPT = _wrapper_script(OOM_SCORE_ADJ_FILE)
 
 
 def with_oom_score_adj(argv: Sequence[str], value: int = COMMAND_OOM_SCORE_ADJ) -> list[str]:

@@ -351,3 +351,18 @@ def test_the_oom_wrapper_runs_the_command_when_the_kernel_refuses_the_value() ->
     assert completed.returncode == 0
     assert completed.stderr == ""
     assert int(completed.stdout) in {OOM_SCORE_ADJ_MIN, read_oom_score_adj()}
+
+
+def test_the_oom_wrapper_is_silent_when_the_file_cannot_be_opened(tmp_path: Path) -> None:
+    # A read-only or missing /proc makes the open itself fail (not the write): the shell
+    # reports that on whatever stderr it has at that moment, so the redirection order matters.
+    from supervisor.oom import WRAPPER_SHELL, _wrapper_script
+
+    unopenable = str(tmp_path / "missing-directory" / "oom_score_adj")
+    completed = subprocess.run(
+        [WRAPPER_SHELL, "-c", _wrapper_script(unopenable), "100", "/bin/sh", "-c", "echo ran"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (completed.returncode, completed.stdout, completed.stderr) == (0, "ran\n", "")
