@@ -717,3 +717,30 @@ def test_arbitrary_diffs_apply_or_raise_a_typed_patch_error(diff: str, original:
         # Without hunks a diff may only create or delete an empty file (docs/protocol.md 7.2).
         assert outcome.hunks >= 1 or outcome.new == b"" or (outcome.new is None and not original)
         assert outcome.new is None or isinstance(outcome.new, bytes)
+
+
+def test_a_crash_while_recovery_applies_an_unplanned_patch_is_recovered_as_applied(tmp_path):
+    """A kill -9 before the plan was recorded leaves a pending patch with no plan; the next
+    start applies it. If that start is killed too, after the write and before the result,
+    the start after it must recognise the patch as applied (not plan it again against the
+    new content and answer base_sha_mismatch)."""
+    import json
+
+    from supervisor.runtime.file_tools import recover_patch_call
+    from supervisor.store import StateStore
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    old, new = b"one\ntwo\n", b"one\nTWO\n"
+    (workspace / "f.txt").write_bytes(old)
+    parameters = {"path": "f.txt", "diff": make_diff(old, new), "base_sha": git_blob_sha(old)}
+    intent = {"parameters": parameters, "cwd": str(workspace), "allowed_paths": None}
+    with StateStore.open(tmp_path / "state") as store:
+        store.begin_call(
+            key="k", tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent)
+        )
+        first = recover_patch_call(store.call_record("k"), store)  # ...killed before complete_call
+        assert (workspace / "f.txt").read_bytes() == new
+        second = recover_patch_call(store.call_record("k"), store)
+    assert first["ok"] is True and second == first
+    assert (workspace / "f.txt").read_bytes() == new

@@ -22,7 +22,7 @@ from supervisor.runtime.failures import ToolFailure, os_failure
 from supervisor.runtime.files import read_file_result
 from supervisor.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
 from supervisor.runtime.paths import resolve_in_jail
-from supervisor.store import CallRecord
+from supervisor.store import CallRecord, StateStore
 
 # Hashing a file is the slow part of read_file; below this size it is cheaper to do it on
 # the trio thread than to pay for a worker-thread hop (~50-100 µs).
@@ -96,13 +96,14 @@ def interrupted(message: str, **details: Any) -> dict[str, Any]:
     return {"code": errors.INTERRUPTED, "message": message, **details}
 
 
-def recover_patch_call(record: CallRecord) -> dict[str, Any]:
+def recover_patch_call(record: CallRecord, store: StateStore) -> dict[str, Any]:
     """The tool.result body that completes a patch left pending by a crash.
 
     - the planned result was recorded: the file's sha says whether the write happened
       (new sha → applied; base sha → apply now; anything else → interrupted);
     - no plan was recorded: nothing was written yet, so the call is carried out now, with the
-      same base_sha guard a fresh call has.
+      same base_sha guard a fresh call has — and, as on the live path, the plan is recorded
+      before the write, so a crash during this recovery is recovered by the first rule.
     """
     intent = json.loads(record.intent_json or "{}")
     params = ApplyFilePatchParams.model_validate(intent["parameters"])
@@ -126,6 +127,7 @@ def recover_patch_call(record: CallRecord) -> dict[str, Any]:
                     ),
                 )
         plan = plan_patch(target, params.path, params)
+        store.set_call_intent(record.key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
         commit_patch(plan)
         return result_body(record.call_id, record.key, record.tool_name, result=plan.result())
     except ToolFailure as failure:

@@ -103,7 +103,7 @@ def recover_pending_calls(store: StateStore, state_dir: Path) -> int:
         body = None
         try:
             if record.tool_name == "apply_file_patch":
-                body = recover_patch_call(record)
+                body = recover_patch_call(record, store)
             elif record.tool_name == "execute_shell_command":
                 preceding, body = _interrupted_shell(record, state_dir)
         except Exception:  # noqa: BLE001 - one bad record must not keep the daemon down
