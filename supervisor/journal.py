@@ -15,6 +15,9 @@ from supervisor.store import StateStore
 
 
 RECENT_FRAMES = 1024
+# The same memory also bounded by size: one read_file page of control characters is ~400 KB
+# of JSON, and 1024 of them would pin ~400 MiB. Counted in characters (len of the str).
+RECENT_MAX_CHARS = 4 * 1024 * 1024
 
 
 class Journal:
@@ -26,28 +29,51 @@ class Journal:
         snapshot = store.snapshot()
         self.last_seq = snapshot.local_event_max
         # The most recent frames, dense by seq: a sender that keeps up reads live events
-        # from here instead of querying sqlite for each one.
-        self.recent: deque[tuple[int, str]] = deque(maxlen=RECENT_FRAMES)
+        # from here instead of querying sqlite for each one. Bounded by count and by size,
+        # and acked frames leave it (they are pruned from the store too).
+        self.recent: deque[tuple[int, str]] = deque()
+        self._recent_chars = 0
         # The ack floor: what the store may have deleted (acks only ever go through here).
         self.pruned_through = snapshot.ack_floor
 
-    def frames_after(self, seq: int, limit: int) -> list[tuple[int, str]]:
+    def frames_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[tuple[int, str]]:
         """Up to `limit` events after `seq`, in order: from memory when they are recent,
-        else from the store (a replay)."""
+        else from the store (a replay). With `max_chars` the batch ends once that many
+        characters are gathered (at least one event), the same rule on both paths."""
         recent = self.recent
         # Pruned events are not served from memory either: a reconnect below the oldest
         # retained event is replayed from there, the same whichever path serves it.
         if recent and max(recent[0][0], self.pruned_through + 1) <= seq + 1 <= recent[-1][0]:
             start = seq + 1 - recent[0][0]
-            return [recent[i] for i in range(start, min(start + limit, len(recent)))]
-        return self.store.events_after(seq, limit)
+            rows: list[tuple[int, str]] = []
+            gathered = 0
+            for i in range(start, min(start + limit, len(recent))):
+                rows.append(recent[i])
+                gathered += len(recent[i][1])
+                if max_chars is not None and gathered >= max_chars:
+                    break
+            return rows
+        return self.store.events_after(seq, limit, max_chars)
 
     def acknowledge(self, seq: int) -> int:
         """Raise the ack floor (AckAhead above the journal) and prune what it covers."""
         floor = self.store.raise_ack_floor(seq)
         self.store.prune_acked(floor)
         self.pruned_through = max(self.pruned_through, floor)
+        self._trim_recent()
         return floor
+
+    def _trim_recent(self) -> None:
+        """Drop the oldest frames past the bounds, and those an ack pruned. Only the oldest
+        end is cut, so what is left stays dense (frames_after relies on it)."""
+        recent = self.recent
+        while recent and (
+            len(recent) > RECENT_FRAMES
+            or self._recent_chars > RECENT_MAX_CHARS
+            or recent[0][0] <= self.pruned_through
+        ):
+            _, frame = recent.popleft()
+            self._recent_chars -= len(frame)
 
     def subscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.add(wake)
@@ -59,6 +85,8 @@ class Journal:
         if rows:
             self.last_seq = max(self.last_seq, rows[-1][0])
             self.recent.extend(rows)
+            self._recent_chars += sum(len(frame) for _, frame in rows)
+            self._trim_recent()
         for wake in list(self._listeners):
             wake()
 

@@ -328,15 +328,27 @@ class StateStore:
             ).fetchone()
         return Binding(*row) if row else None
 
-    def events_after(self, seq: int, limit: int) -> list[tuple[int, str]]:
-        """Up to `limit` retained events with a seq above `seq`, in order: (seq, frame_json)."""
+    def events_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[tuple[int, str]]:
+        """Up to `limit` retained events with a seq above `seq`, in order: (seq, frame_json).
+        With `max_chars`, rows stop once that many characters are gathered (always at least
+        one row): a batch of large frames is not read into memory all at once."""
         if limit <= 0:
             raise ValueError("limit must be positive")
         with self._transaction(write=False) as conn:
-            return conn.execute(
+            cursor = conn.execute(
                 "SELECT seq, frame_json FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
                 (seq, limit),
-            ).fetchall()
+            )
+            if max_chars is None:
+                return cursor.fetchall()
+            rows: list[tuple[int, str]] = []
+            gathered = 0
+            for row in cursor:  # sqlite steps row by row: the rest is never read
+                rows.append(row)
+                gathered += len(row[1])
+                if gathered >= max_chars:
+                    break
+            return rows
 
     # -- writes ----------------------------------------------------------------------------
 

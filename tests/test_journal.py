@@ -147,3 +147,62 @@ def test_frames_from_memory_match_the_store_including_pruning(tmp_path):
         # Older than what memory holds: served from the store, identically.
         assert journal.frames_after(7, 3) == store.events_after(7, 3)
         assert journal.frames_after(journal.last_seq - 2, 10) == store.events_after(journal.last_seq - 2, 10)
+
+
+def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_path):
+    """The in-memory window is cut by size as well as count, from the oldest end only (so
+    it stays dense and agrees with the store), and acked frames leave it."""
+    from supervisor.journal import RECENT_MAX_CHARS, Journal
+    from supervisor.store import StateStore
+
+    big = "\x01" * 65536  # ~393 KB once JSON-escaped, like a read_file page of control bytes
+    with StateStore.open(tmp_path / "state") as store:
+        journal = Journal(store)
+        for _ in range(40):
+            journal.append([("tool.result", {"content": big})])
+        held = sum(len(frame) for _, frame in journal.recent)
+        assert 0 < held <= RECENT_MAX_CHARS
+        seqs = [seq for seq, _ in journal.recent]
+        assert seqs == list(range(seqs[0], 41))  # dense, ending at the newest
+        for after in (0, 20, seqs[0] - 1, seqs[0], 39):
+            assert journal.frames_after(after, 8) == store.events_after(after, 8)
+            assert journal.frames_after(after, 8, 1_000_000) == store.events_after(after, 8, 1_000_000)
+        # A batch stops once it holds the budget (and always holds one frame).
+        assert len(journal.frames_after(seqs[0] - 1, 8, 1_000_000)) == 3
+        assert len(journal.frames_after(seqs[0] - 1, 8, 1)) == 1
+        journal.acknowledge(38)
+        assert [seq for seq, _ in journal.recent] == [39, 40]
+
+
+async def test_large_results_do_not_pin_daemon_memory(tmp_path, authority):
+    """300 read_file results of ~400 KB each (64 KiB of control bytes, escaped), read and
+    acked by the client: the daemon's memory does not keep them."""
+    from testing.daemon import DaemonProcess, make_layout
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    (layout.workspace / "control.bin").write_bytes(b"\x01" * 65536)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        async with running.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            for _ in range(20):  # warm-up: first-use allocations are not growth
+                await session.call_and_wait("read_file", {"path": "control.bin"})
+            baseline = _rss_kib(process.proc.pid)
+            for _ in range(300):
+                result = await session.call_and_wait("read_file", {"path": "control.bin"})
+                assert result["result"]["length"] == 65536
+            await session.ack()  # everything received so far
+            growth_mib = (_rss_kib(process.proc.pid) - baseline) / 1024
+    finally:
+        assert await process.stop() == 0
+    print(f"daemon RSS growth over 300 large results: {growth_mib:.1f} MiB")
+    assert growth_mib < 48  # 300 frames of ~400 KB would be ~115 MiB if memory kept them
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("VmRSS not found")

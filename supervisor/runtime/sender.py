@@ -15,9 +15,11 @@ from supervisor.journal import Journal
 # Bounded: a client that floods requests without reading replies is slowed at its own
 # reader (back-pressure), never allowed to grow the daemon's memory.
 REPLY_QUEUE_SIZE = 64
-# Large enough that a 100,000-event replay costs few queries, small enough to bound memory
-# (one event can be ~200 KiB once JSON-escaped: a read_file page of control characters).
+# Large enough that a 100,000-event replay costs few queries, small enough to bound memory:
+# at most this many events, and a batch ends once it holds EVENT_BATCH_MAX_CHARS (one event
+# can be ~400 KB once JSON-escaped: a read_file page of control characters).
 EVENT_BATCH = 128
+EVENT_BATCH_MAX_CHARS = 4 * 1024 * 1024
 
 
 class SocketSender:
@@ -50,7 +52,7 @@ class SocketSender:
                 self._wake = trio.Event()
                 sent = await self._send_replies()
                 rows = (
-                    self._journal.frames_after(self.cursor, EVENT_BATCH)
+                    self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS)
                     if self.cursor < self._journal.last_seq
                     else []
                 )
