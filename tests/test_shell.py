@@ -372,3 +372,21 @@ async def test_spools_past_the_disk_cap_lose_their_oldest_finished_calls(tmp_pat
             await session.send("exec.signal", {"call_id": long_id, "signal": "SIGKILL"})
             await session.result(long_id)
         assert daemon.supervisor.shell.spool_bytes <= 150_000 + 60000
+
+
+async def test_a_lingering_group_is_forgotten_once_its_last_process_exits(daemon, session):
+    """A background process that closed its pipes outlives the call. The daemon keeps its
+    group (a stop must still end it) only until the group is empty: after that the number
+    may go to an unrelated process, which a stop or a restart must never signal."""
+    result, call_id = await run_collect(session, "sleep 1.5 >/dev/null 2>&1 & echo started")
+    assert result["ok"] is True and "started" in result["result"]["stdout"]["head"]
+    shell = daemon.supervisor.shell
+    store = daemon.supervisor.store
+    pgid = events_of(session, call_id, "exec.started")[0]["pgid"]
+    assert call_id in shell.commands  # the sleep still runs in the group
+    assert call_id in [row[0] for row in store.recorded_processes()]
+    with trio.fail_after(15):
+        while call_id in shell.commands:
+            await trio.sleep(0.05)
+    assert not group_members(pgid)
+    assert call_id not in [row[0] for row in store.recorded_processes()]

@@ -3,11 +3,14 @@ daemon as a real subprocess (PROTOCOL 7.1, 9, 10)."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import time
 
 import trio
 
-from supervisor.runtime.processes import group_members
+from supervisor.runtime.processes import group_members, kill_leftover_group, start_ticks
 from supervisor.runtime.spool import stream_path
 from testing.daemon import DaemonProcess, make_layout
 
@@ -176,3 +179,43 @@ async def test_streams_held_by_descendants_end_after_a_crash(tmp_path, authority
     assert base64.b64decode(page["body"]["data"]) == b"hi\n"
     assert page["body"]["eof"] is True
     assert group_members(pgid) == []
+
+
+def _spawn_group(script: str) -> subprocess.Popen:
+    return subprocess.Popen(["/bin/bash", "-c", script], start_new_session=True, stdout=subprocess.DEVNULL)
+
+
+def test_a_leftover_group_is_killed_descendants_included():
+    shell = _spawn_group("sleep 60 & sleep 60 & (sleep 60 & wait) & wait")
+    try:
+        deadline = time.monotonic() + 10
+        while len(group_members(shell.pid)) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        killed = kill_leftover_group(shell.pid, shell.pid, start_ticks(shell.pid))
+        shell.wait(timeout=10)
+        assert killed >= 5
+        deadline = time.monotonic() + 10
+        while group_members(shell.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert group_members(shell.pid) == []
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait()
+
+
+def test_a_group_whose_pid_now_belongs_to_another_process_is_left_alone():
+    """The recorded start time differs from the process that now holds the pid: the kernel
+    reused the number, so nothing in that group can be ours — not the leader, not its
+    children."""
+    other = _spawn_group("sleep 60 & wait")
+    try:
+        deadline = time.monotonic() + 10
+        while len(group_members(other.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        recorded = start_ticks(other.pid) - 1  # "our" shell started earlier: another process
+        assert kill_leftover_group(other.pid, other.pid, recorded) == 0
+        assert len(group_members(other.pid)) == 2
+    finally:
+        os.killpg(other.pid, signal.SIGKILL)
+        other.wait()

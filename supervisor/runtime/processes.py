@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PROC = Path("/proc")
+# Scan-and-kill passes over a leftover group at start (each pass scans /proc).
+LEFTOVER_KILL_ROUNDS = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +93,25 @@ def ours(stat: ProcStat, pgid: int, recorded_start: int) -> bool:
 
 def kill_leftover_group(pid: int, pgid: int, recorded_start: int) -> int:
     """SIGKILL the processes of a group a previous instance started, if they are still the
-    same processes. Returns how many were killed."""
+    same processes. Returns how many were killed.
+
+    One scan is not enough: a member that forks between the scan and its SIGKILL leaves a
+    child the scan never saw (a fork loop leaves dozens). Scans repeat until one finds
+    nothing of ours, up to LEFTOVER_KILL_ROUNDS.
+
+    When another process holds the recorded pid (its start time differs), nothing in the
+    group is ours: the kernel reuses a number only once no process uses it as a pid, group
+    or session id, so every process of our group was gone before that one started. Its
+    own group must then be left alone, children included."""
+    leader = read_stat(pid)
+    if leader is not None and leader.start_ticks != recorded_start:
+        return 0
     killed = 0
-    for stat in group_members(pgid):
-        if ours(stat, pgid, recorded_start):
+    for _ in range(LEFTOVER_KILL_ROUNDS):
+        found = [stat for stat in group_members(pgid) if ours(stat, pgid, recorded_start)]
+        if not found:
+            break
+        for stat in found:
             try:
                 os.kill(stat.pid, signal.SIGKILL)
                 killed += 1

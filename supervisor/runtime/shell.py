@@ -56,6 +56,10 @@ COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
 # How often a terminating group is checked for survivors (each check scans /proc).
 GROUP_POLL_S = 0.05
+# How often a completed command's lingering group (background descendants) is checked for
+# being empty; each check scans /proc, and the daemon forgets the group after the first
+# empty one.
+LINGER_POLL_S = 1.0
 # Reaping a SIGKILLed shell whose call was abandoned; shielded, so bounded.
 ABANDON_REAP_TIMEOUT_S = 1.0
 CLOCK_EPSILON_S = 1e-6
@@ -144,6 +148,7 @@ class Command:
     wake: trio.Event = field(default_factory=trio.Event)  # data, completion or close
     streams_closed: trio.Event = field(default_factory=trio.Event)
     finished: trio.Event = field(default_factory=trio.Event)  # readers and flusher done
+    watched: bool = False  # a task polls its lingering group (see ShellRuntime._watch_lingering)
 
     def send_signal(self, signum: int) -> bool:
         """Signal the whole group. False when no process of it is left."""
@@ -285,12 +290,28 @@ class ShellRuntime:
         if not (command.completed and command.finished.is_set()):
             return
         if processes.group_alive(command.pgid):
-            return  # background descendants: stop_all must still find them
+            # Background descendants: stop_all must still find them, and the group must be
+            # forgotten once they are gone — before the kernel can hand the pgid's number to
+            # an unrelated process that stop_all or a restart would then signal.
+            if not command.watched:
+                command.watched = True
+                self.nursery.start_soon(self._watch_lingering, command)
+            return
         self.commands.pop(command.call_id, None)
         try:
             self.store.forget_process(command.call_id)
         except Exception:  # noqa: BLE001 - a stale row only costs a check at the next start
             log.warning("process.forget_failed", call_id=command.call_id)
+
+    async def _watch_lingering(self, command: Command) -> None:
+        """Poll a completed command's group until its last process is gone, then forget it.
+
+        A number stays reserved while any process uses it as a process group id, so the
+        daemon's pgid is safe to signal until the group empties; this keeps the time after
+        that (when the number may be reused) down to one poll."""
+        while processes.group_alive(command.pgid):
+            await trio.sleep(LINGER_POLL_S)
+        self._forget_if_done(command)
 
     async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx) -> Command:
         env = build_environment(self.settings.base_env, ctx.agent_env, params.env)
