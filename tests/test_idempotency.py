@@ -183,3 +183,47 @@ async def test_a_store_failure_while_recording_a_call_is_a_typed_answer(daemon, 
     monkeypatch.undo()
     result = await session.call_and_wait("apply_file_patch", create_call("g.txt", "g\n"), idempotency_key="k-g")
     assert result["ok"] is True and (daemon.layout.workspace / "g.txt").read_text() == "g\n"
+
+
+async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(tmp_path):
+    """All in-flight slots are taken, so a tool.call waits for one; meanwhile a newer upgrade
+    passes the gate. When the slot frees, the call must not run under the old generation."""
+    import json
+
+    import trio.testing
+
+    from protocol.tools import TOOL_SCOPES
+    from supervisor.journal import Journal
+    from supervisor.runtime import file_tools
+    from supervisor.runtime.calls import MAX_CALLS_IN_FLIGHT, CallContext, CallRunner
+    from supervisor.store import StateStore
+
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "f.txt").write_text("x")
+    context = CallContext(
+        session_id="s", generation=1, cwd=str(workspace), agent_env={},
+        scopes=frozenset(TOOL_SCOPES.values()), allowed_paths=None, allowed_commands=None,
+    )
+    body = {"tool_name": "read_file", "call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": "k", "parameters": {"path": "f.txt"}}
+    replies: list[dict] = []
+    fenced = {"generation": 1}
+
+    async def reply(text: str) -> None:
+        replies.append(json.loads(text))
+
+    with StateStore.open(tmp_path / "state") as store:
+        journal = Journal(store)
+        async with trio.open_nursery() as nursery:
+            runner = CallRunner(store, journal, nursery)
+            file_tools.register(runner)
+            for _ in range(MAX_CALLS_IN_FLIGHT):
+                await runner.in_flight.acquire()
+            nursery.start_soon(runner.submit, body, context, reply, lambda: fenced["generation"] == 1)
+            await trio.testing.wait_all_tasks_blocked()
+            assert replies == [] and journal.last_seq == 0  # waiting for a slot
+            fenced["generation"] = 2  # a newer upgrade passed the gate
+            runner.in_flight.release()
+            await trio.testing.wait_all_tasks_blocked()
+        assert [r["body"]["code"] for r in replies] == ["generation_mismatch"]
+        assert journal.last_seq == 0 and store.call_record("k") is None  # nothing ran or was claimed

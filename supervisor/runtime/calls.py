@@ -35,6 +35,7 @@ TRANSIENT_REFUSALS = frozenset({errors.TOO_MANY_PROCESSES, errors.INTERRUPTED})
 # slows a client that pipelines calls; past this many the socket's reader waits for a slot,
 # and the client's own sends back up.
 MAX_CALLS_IN_FLIGHT = 64
+STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
 
 
 class Outcome(enum.Enum):
@@ -165,11 +166,13 @@ class CallRunner:
             tool = body["tool_name"] if body["tool_name"] in TOOL_SCOPES else "unknown"
             self.telemetry.tool_call(tool, "success" if body["ok"] else body["error"]["code"])
 
-    async def submit(self, body: Any, context: CallContext, reply: Reply) -> None:
+    async def submit(
+        self, body: Any, context: CallContext, reply: Reply, may_act: Callable[[], bool] | None = None
+    ) -> None:
         """Validate and dispatch one `tool.call` body. Everything up to the pending record is
         synchronous, so duplicates arriving together are ordered by the store, not by luck."""
         try:
-            await self._submit(body, context, reply)
+            await self._submit(body, context, reply, may_act)
         except StoreError:
             # The state database refused (a full disk, say): the call was not recorded, so
             # nothing ran; the client gets a typed answer and may retry with the same key.
@@ -183,7 +186,9 @@ class CallRunner:
                 )
             )
 
-    async def _submit(self, body: Any, context: CallContext, reply: Reply) -> None:
+    async def _submit(
+        self, body: Any, context: CallContext, reply: Reply, may_act: Callable[[], bool] | None
+    ) -> None:
         try:
             call = parse_tool_call(body)
         except ToolCallError as exc:
@@ -215,6 +220,12 @@ class CallRunner:
             )
             return
         await self.in_flight.acquire()
+        if may_act is not None and not may_act():
+            # Waiting for a slot is a checkpoint: a newer upgrade may have passed the gate
+            # meanwhile (without superseding this socket yet). A fenced-out frame never acts.
+            self.in_flight.release()
+            await reply(error_frame(errors.GENERATION_MISMATCH, STALE_FRAME_MESSAGE))
+            return
         run = False
         try:
             run = await self._claim(call, context, reply)

@@ -23,7 +23,7 @@ from protocol.frames import (
     ToolCallFrame,
     decode_client_frame,
 )
-from supervisor.runtime.calls import CallContext, error_frame
+from supervisor.runtime.calls import STALE_FRAME_MESSAGE, CallContext, error_frame
 from supervisor.runtime.sender import SocketSender
 from supervisor.sessions import Connection
 from supervisor.store import AckAhead
@@ -61,15 +61,13 @@ class RuntimeHandler:
             await self.sender.reply(error_frame(exc.code, exc.message, exc.call_id))
             return True
         if not self._may_act(frame.connectionGeneration):
-            await self.sender.reply(
-                error_frame(
-                    errors.GENERATION_MISMATCH,
-                    "The frame's connectionGeneration is not the fenced generation.",
-                )
-            )
+            await self.sender.reply(error_frame(errors.GENERATION_MISMATCH, STALE_FRAME_MESSAGE))
             return True
         if isinstance(frame, ToolCallFrame):
-            await self.sup.calls.submit(frame.body, self.context(), self.sender.reply)
+            generation = frame.connectionGeneration
+            await self.sup.calls.submit(
+                frame.body, self.context(), self.sender.reply, lambda: self._may_act(generation)
+            )
             return True
         if isinstance(frame, EventsAckFrame):
             await self._ack(frame.body.seq)
