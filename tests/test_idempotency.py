@@ -227,3 +227,40 @@ async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(
             await trio.testing.wait_all_tasks_blocked()
         assert [r["body"]["code"] for r in replies] == ["generation_mismatch"]
         assert journal.last_seq == 0 and store.call_record("k") is None  # nothing ran or was claimed
+
+
+async def test_a_result_the_database_refuses_is_reported_and_journaled_on_retry(daemon, session):
+    """The database refuses a finished call's result (SQLITE_FULL, as on a full disk, made
+    real with max_page_count). The client is told at once, not left waiting: an `error`
+    frame `internal` for the call. Once the database has room again, a retry with the same
+    key gets the result of the first execution as tool.replayed, and nothing ran twice."""
+    (daemon.layout.workspace / "big.txt").write_bytes(b"x" * 65536)
+    (daemon.layout.workspace / "small.txt").write_bytes(b"y")
+    conn = daemon.supervisor.store._conn  # the daemon's own connection: its limit, its error
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    # Room for the small rows a claim writes, not for a 64 KiB result (~17 pages, twice).
+    conn.execute(f"PRAGMA max_page_count = {pages + 4}")
+    keyed = await session.call("read_file", {"path": "big.txt"}, idempotency_key="full-disk")
+    keyless = await session.call("read_file", {"path": "big.txt"})
+    errors_seen = {}
+    with trio.fail_after(10):
+        while len(errors_seen) < 2:
+            frame = await session.receive()
+            if frame["kind"] == "error":
+                errors_seen[frame["body"]["call_id"]] = frame["body"]
+            assert frame["kind"] != "tool.result"  # nothing could be journaled
+    assert errors_seen[keyed]["code"] == errors_seen[keyless]["code"] == "internal"
+    assert "retry with the same idempotency key" in errors_seen[keyed]["message"]
+    assert "may have taken effect" in errors_seen[keyless]["message"]
+
+    conn.execute("PRAGMA max_page_count = 1073741823")  # room again
+    retry = await session.call("read_file", {"path": "big.txt"}, idempotency_key="full-disk")
+    replayed = await session.receive_until(lambda f: f["kind"] == "tool.replayed")
+    assert replayed["body"]["call_id"] == retry
+    original = replayed["body"]["original"]
+    assert original["kind"] == "tool.result" and original["body"]["call_id"] == keyed
+    assert original["body"]["ok"] is True and original["body"]["result"]["length"] == 65536
+    # The journal is dense and holds that one result; the key is completed.
+    record = daemon.supervisor.store.call_record("full-disk")
+    assert record.state == "completed" and record.result_seq == original["seq"]
+    assert (await session.call_and_wait("read_file", {"path": "small.txt"}))["ok"] is True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,14 @@ import structlog
 import trio
 
 from protocol import errors
-from protocol.tools import TOOL_SCOPES, ToolCall, ToolCallError, call_digest, is_call_id, parse_tool_call
+from protocol.tools import (
+    TOOL_SCOPES,
+    ToolCall,
+    ToolCallError,
+    call_digest,
+    is_call_id,
+    parse_tool_call,
+)
 from supervisor.journal import Journal
 from supervisor.runtime.failures import ToolFailure
 from supervisor.store import CallRecord, StateStore, StoreError
@@ -35,6 +43,15 @@ TRANSIENT_REFUSALS = frozenset({errors.TOO_MANY_PROCESSES, errors.INTERRUPTED})
 # slows a client that pipelines calls; past this many the socket's reader waits for a slot,
 # and the client's own sends back up.
 MAX_CALLS_IN_FLIGHT = 64
+# Results the state database refused to journal, kept (by idempotency key) until the key
+# comes back; past this many the oldest is left to the next start's recovery.
+MAX_UNJOURNALED = 1024
+# How long a best-effort error frame may wait for room in the socket's reply queue.
+UNJOURNALED_REPORT_TIMEOUT_S = 1.0
+UNJOURNALED_KEYLESS_MESSAGE = "The supervisor could not record the call's result; the call may have taken effect."
+UNJOURNALED_KEYED_MESSAGE = (
+    "The supervisor could not record the call's result yet; retry with the same idempotency key."
+)
 STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
 
 
@@ -76,6 +93,9 @@ class RunningCall:
     # Events a tool wants journaled in the same transaction as its tool.result (a shell
     # command's last output and its exec.completed), so a crash cannot split them.
     final_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # The socket that sent the call, for a best-effort answer when its result cannot be
+    # journaled (the journal is how results normally travel).
+    reply: Reply | None = None
 
     @property
     def key(self) -> str | None:
@@ -148,6 +168,10 @@ class CallRunner:
         # patching the same file at once must not both pass the check against one base.
         self.file_write_lock = trio.Lock()
         self.in_flight = trio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        # Finished calls whose result the database refused, by key, oldest first: retried
+        # when the key comes back, so the client is not told tool.pending for a call that
+        # is no longer running.
+        self.unjournaled: OrderedDict[str, tuple[RunningCall, dict[str, Any], float]] = OrderedDict()
 
     def register(self, tool_name: str, function: ToolFunction, inline: InlineFunction | None = None) -> None:
         self.tools[tool_name] = function
@@ -233,16 +257,18 @@ class CallRunner:
             if not run:
                 self.in_flight.release()
         if run:
-            running = RunningCall(call, context)
+            running = RunningCall(call, context, reply=reply)
             try:
-                done = self._run_inline(running)
+                outcome = self._run_inline(running)
             except BaseException:
                 self.in_flight.release()
                 raise
-            if done:
-                self.in_flight.release()
-            else:
+            if outcome is None:
                 self.nursery.start_soon(self._run, running)
+                return
+            self.in_flight.release()
+            if outcome is False:
+                await self._report_unjournaled(running)
 
     async def _claim(self, call: ToolCall, context: CallContext, reply: Reply) -> bool:
         """Claim the idempotency key (the store decides, synchronously, before any await) and
@@ -271,7 +297,16 @@ class CallRunner:
                 await reply(replayed_frame(call.call_id, key, existing.result_frame))
                 return False
             if outcome is Outcome.PENDING:
-                await reply(pending_frame(call.call_id, key))
+                kept = self.unjournaled.pop(key, None)
+                if kept is None:
+                    await reply(pending_frame(call.call_id, key))
+                    return False
+                # The first execution finished but its result was not journaled: try again.
+                frame = self._finish(*kept)
+                if frame is not None:
+                    await reply(replayed_frame(call.call_id, key, frame))
+                else:
+                    await reply(error_frame(errors.INTERNAL, UNJOURNALED_KEYED_MESSAGE, call.call_id))
                 return False
             if outcome is Outcome.KEY_REUSED:
                 self.journal_result(
@@ -295,25 +330,24 @@ class CallRunner:
         finally:
             self.in_flight.release()
 
-    def _run_inline(self, running: RunningCall) -> bool:
+    def _run_inline(self, running: RunningCall) -> bool | None:
         """Finish a call on the spot when its tool has a fast path that answers now (a small
         read_file): no task to spawn and no scheduler pass before its result is journaled.
         Nothing here awaits, so the reader task it runs in cannot be cancelled half way.
-        False when the call needs its own task."""
+        None when the call needs its own task; else whether its result was journaled."""
         call = running.call
         inline = self.inline.get(call.tool_name)
         if inline is None:
-            return False
+            return None
         started = time.monotonic()
         try:
             result = inline(running, self)
             if result is None:
-                return False
+                return None
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except Exception as exc:
             body = self._failure_body(call, exc)
-        self._finish(running, body, started)
-        return True
+        return self._finish(running, body, started) is not None
 
     async def _execute(self, running: RunningCall) -> None:
         call = running.call
@@ -323,7 +357,21 @@ class CallRunner:
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except Exception as exc:
             body = self._failure_body(call, exc)
-        self._finish(running, body, started)
+        if self._finish(running, body, started) is None:
+            await self._report_unjournaled(running)
+
+    async def _report_unjournaled(self, running: RunningCall) -> None:
+        """Tell the socket that sent the call that its result could not be journaled (best
+        effort: that socket may be gone, and its reply queue is given a bounded wait)."""
+        if running.reply is None:
+            return
+        call = running.call
+        message = UNJOURNALED_KEYLESS_MESSAGE if call.idempotency_key is None else UNJOURNALED_KEYED_MESSAGE
+        with trio.move_on_after(UNJOURNALED_REPORT_TIMEOUT_S):
+            try:
+                await running.reply(error_frame(errors.INTERNAL, message, call.call_id))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
 
     def _failure_body(self, call: ToolCall, exc: Exception) -> dict[str, Any]:
         """The tool.result body of a tool that raised: its own typed failure, or `internal`
@@ -338,25 +386,34 @@ class CallRunner:
             error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
         )
 
-    def _finish(self, running: RunningCall, body: dict[str, Any], started: float) -> None:
-        """Journal the one tool.result (completing or freeing the key) and log the call."""
+    def _finish(self, running: RunningCall, body: dict[str, Any], started: float) -> str | None:
+        """Journal the one tool.result (completing or freeing the key) and log the call; the
+        journaled frame, or None when the database refused it."""
         call = running.call
+        key = call.idempotency_key
         try:
             if (
-                call.idempotency_key is not None
+                key is not None
                 and not body["ok"]
                 and body["error"]["code"] in TRANSIENT_REFUSALS
                 and not running.final_events  # nothing was started
             ):
-                self.journal.release_call(call.idempotency_key, body)
+                rows = self.journal.release_call(key, body)
                 self._count(body)
             else:
-                self.journal_result(call.idempotency_key, body, running.final_events)
+                rows = self.journal.complete_call(key, body, running.final_events)
+                self._count(body)
         except Exception:
-            # The record stays pending: the next start completes it (PROTOCOL 7.1). One
-            # call's failure to journal must not take the session's other calls down.
+            # One call's failure to journal must not take the session's other calls down.
+            # With a key the record stays pending: the result is kept here and journaled
+            # when the key comes back (or the next start resolves the record, 7.1).
             log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
-            return
+            if key is not None:
+                self.unjournaled[key] = (running, body, started)
+                self.unjournaled.move_to_end(key)
+                while len(self.unjournaled) > MAX_UNJOURNALED:
+                    self.unjournaled.popitem(last=False)
+            return None
         log.info(
             "tool.finished",
             call_id=call.call_id,
@@ -368,3 +425,4 @@ class CallRunner:
             session_id=running.context.session_id,
             generation=running.context.generation,
         )
+        return rows[-1][1]
