@@ -20,6 +20,10 @@ from supervisor.runtime.guard import GuardRefusal, check_allowed, simple_command
 from testing.fuzzing import fuzz_settings
 
 NAMED = [
+    # a dollar before a quote or bracket that is not ANSI-C quoting or arithmetic
+    ('echo "$\'"', ["echo"]),
+    ("echo '$[' '$[x]'", ["echo"]),
+    ("echo \\$'x'", ["echo"]),
     # plain commands, paths, arguments
     ("make test", ["make"]),
     ("/usr/bin/make -C src all", ["make"]),
@@ -120,6 +124,12 @@ NAMED = [
 ]
 
 REFUSED = [
+    # ANSI-C quoting: bash escapes a quote inside it where shlex ends the quote, so the rest
+    # of the line would be misread (this one runs touch); and the old arithmetic form
+    ("echo $'\\'' ; touch /tmp/x ; echo \\'", None),
+    ("printf '%s' $'a\\tb'", None),
+    ("z=$[x]", None),
+    ('echo "$[1+1]"', None),
     # command substitution, in every spelling
     ("echo $(rm x)", None),
     ("echo `rm x`", None),
@@ -153,7 +163,7 @@ REFUSED = [
     ('"$PY" -m pytest', "$PY"),
     ("env A=$X make", "env"),
     ("env {A=1,rm} x", "env"),
-    ("$'\\x72m' x", "$\\x72m"),
+    ("$'\\x72m' x", None),  # ANSI-C quoting is refused before the name is judged
     # not parseable
     ("echo 'unbalanced", None),
     ('echo "unbalanced', None),

@@ -20,7 +20,8 @@ understood, so the agent can rewrite the line):
   `;;&` too (outside `case` they are shell syntax errors, so nothing more runs).
 - Command substitution `$(…)` and backticks, unquoted or in double quotes, are refused; in single
   quotes they are text. `$((…))` (arithmetic) is refused with them: it begins like one and can
-  contain one. So are process substitution `<(…)`/`>(…)` and bash 5.3's `${ …; }` and
+  contain one; so is the old form `$[…]`. Unquoted ANSI-C quoting `$'…'` is refused: shlex
+  does not know it, and would end the quote at an escaped `\'` where bash does not. So are process substitution `<(…)`/`>(…)` and bash 5.3's `${ …; }` and
   `${| …; }`, also in the body of a here-document whose delimiter is unquoted.
 - Subshells `( … )` and groups `{ …; }` are looked into: their commands are checked like any
   other. `!` (negation) and the bash keyword `time` (with `-p`, `--`) before a pipeline are
@@ -294,7 +295,40 @@ def _read_word(value: str, raw: str, start: int) -> _Word | None:
         value = "".join(parts)
     if _substitutes(raw, in_heredoc=False):
         raise GuardRefusal(f"{_SUBSTITUTION_REFUSED[:-1]}: {raw.strip()!r}.")
+    construct = _unreadable_dollar(raw)
+    if construct is not None:
+        raise GuardRefusal(f"{construct} is not allowed by the allowed_commands guard: {raw.strip()!r}.")
     return _Word(value, raw, start)
+
+
+def _unreadable_dollar(raw: str) -> str | None:
+    """Name a `$` form that shlex misreads, outside single quotes, or None.
+
+    - `$'…'` (ANSI-C quoting, unquoted): `\'` escapes a quote inside it, which shlex takes
+      as the quote's end, so the two would disagree on where commands start
+      (`echo $'\'' ; rm x ; echo \'` runs rm).
+    - `$[…]` (old arithmetic, also in double quotes): evaluated like `$((…))`, which is
+      refused, and an array subscript in it runs command substitutions held in variables.
+    """
+    quote: str | None = None
+    index = 0
+    while index < len(raw):
+        char = raw[index]
+        following = raw[index + 1 : index + 2]
+        if quote == "'":
+            quote = None if char == "'" else quote
+        elif char == "\\":
+            index += 1  # the next character is escaped
+        elif char == "$" and following == "'" and quote is None:
+            return "ANSI-C quoting ($'…')"
+        elif char == "$" and following == "[":
+            return "Arithmetic expansion ($[…])"
+        elif char == "'" and quote is None:
+            quote = "'"
+        elif char == '"':
+            quote = None if quote == '"' else '"'
+        index += 1
+    return None
 
 
 def _substitutes(raw: str, *, in_heredoc: bool) -> bool:
