@@ -304,35 +304,38 @@ def _read_word(value: str, raw: str, start: int) -> _Word | None:
 def _unreadable_dollar(raw: str) -> str | None:
     """Name a `$` form that shlex misreads, outside single quotes, or None.
 
-    - `$'…'` (ANSI-C quoting, unquoted): `\'` escapes a quote inside it, which shlex takes
+    - `$'…'` (ANSI-C quoting, unquoted): `\\'` escapes a quote inside it, which shlex takes
       as the quote's end, so the two would disagree on where commands start
-      (`echo $'\'' ; rm x ; echo \'` runs rm).
+      (`echo $'\\'' ; rm x ; echo \\'` runs rm).
     - `$[…]` (old arithmetic, also in double quotes): evaluated like `$((…))`, which is
       refused, and an array subscript in it runs command substitutions held in variables.
     """
-    quote: str | None = None
-    index = 0
-    while index < len(raw):
-        char = raw[index]
-        following = raw[index + 1 : index + 2]
-        if quote == "'":
-            quote = None if char == "'" else quote
-        elif char == "\\":
-            index += 1  # the next character is escaped
-        elif char == "$" and following == "'" and quote is None:
+    for index, quote in _live_characters(raw, in_heredoc=False):
+        pair = raw[index : index + 2]
+        if pair == "$'" and quote is None:
             return "ANSI-C quoting ($'…')"
-        elif char == "$" and following == "[":
+        if pair == "$[":
             return "Arithmetic expansion ($[…])"
-        elif char == "'" and quote is None:
-            quote = "'"
-        elif char == '"':
-            quote = None if quote == '"' else '"'
-        index += 1
     return None
 
 
 def _substitutes(raw: str, *, in_heredoc: bool) -> bool:
     """Does `raw` hold `$(`, `${ ` or a backtick outside single quotes (and not escaped)?"""
+    for index, _ in _live_characters(raw, in_heredoc=in_heredoc):
+        char, following = raw[index], raw[index + 1 : index + 2]
+        if char == "`" or (char == "$" and following == "("):
+            return True
+        if char == "$" and following == "{":
+            after = raw[index + 2 : index + 3]
+            if after in ("", " ", "\t", "\n", "|"):
+                return True  # bash 5.3 runs `${ cmd; }` and `${| cmd; }` in the shell itself
+    return False
+
+
+def _live_characters(raw: str, *, in_heredoc: bool) -> Iterator[tuple[int, str | None]]:
+    """Indexes of the characters the shell may expand: outside single quotes and not
+    escaped, each with the quote it stands in (None, or '"'). In a here-document body
+    quotes are plain text."""
     quote: str | None = None
     index = 0
     while index < len(raw):
@@ -341,22 +344,15 @@ def _substitutes(raw: str, *, in_heredoc: bool) -> bool:
             quote = None if char == "'" else quote
         elif char == "\\":
             index += 1  # the next character is escaped
-        elif char == "`":
-            return True
-        elif char == "$" and raw[index + 1 : index + 2] == "(":
-            return True
-        elif char == "$" and raw[index + 1 : index + 2] == "{":
-            after = raw[index + 2 : index + 3]
-            if after in ("", " ", "\t", "\n", "|"):
-                return True  # bash 5.3 runs `${ cmd; }` and `${| cmd; }` in the shell itself
-        elif in_heredoc:
-            pass  # quotes are plain text in a here-document body
-        elif char == "'" and quote is None:
-            quote = "'"
-        elif char == '"':
-            quote = None if quote == '"' else '"'
+        else:
+            yield index, quote
+            if in_heredoc:
+                pass
+            elif char == "'" and quote is None:
+                quote = "'"
+            elif char == '"':
+                quote = None if quote == '"' else '"'
         index += 1
-    return False
 
 
 def _join_continuations(raw: str, *, quotes: bool) -> str:
