@@ -76,7 +76,9 @@ class HeadReader:
         except h11.RemoteProtocolError as exc:
             if exc.error_status_hint == 431 or self._size > self._max_bytes:
                 raise HeadTooLarge() from None
-            raise MalformedHead(str(exc)) from None
+            # h11 quotes the offending bytes after a colon ("illegal header line:
+            # bytearray(b'…')"), and those bytes may be an assertion: keep only the category.
+            raise MalformedHead(str(exc).split(":", 1)[0]) from None
         if event is h11.NEED_DATA:
             if not data:
                 raise MalformedHead("connection closed before the request head was complete")

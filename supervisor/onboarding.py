@@ -16,7 +16,7 @@ What is computed, and from what:
   files, while the import location is the code that actually runs.
 - `supervisor.version`: the installed distribution's version.
 - `supervisor.sha`: the commit the supervisor was built from, recorded at build time:
-  `--supervisor-sha`, else $SANDBOX_SUPERVISOR_BUILD_SHA (set it in the image build), else,
+  `--supervisor-sha`, else $SUPERVISOR_BUILD_SHA (set it in the image build), else,
   when the package is a git checkout with no uncommitted changes to tracked files,
   `git rev-parse HEAD` there. Otherwise it is a problem to fix, not a guess.
 - `onboardedAt`: now (UTC), unless `--onboarded-at` is given.
@@ -60,7 +60,9 @@ DISTRIBUTION = "sandbox-supervisor"
 CONSOLE_SCRIPT = "sandbox-supervisor"
 # The import packages of the distribution (pyproject: tool.setuptools.packages.find.include).
 RUNTIME_PACKAGES = ("protocol", "supervisor", "testing")
-BUILD_SHA_ENV = "SANDBOX_SUPERVISOR_BUILD_SHA"
+# Not SANDBOX_SUPERVISOR_…: every variable of that prefix is a config override, and an
+# unknown one is an error (check-config and serve in the image would refuse to start).
+BUILD_SHA_ENV = "SUPERVISOR_BUILD_SHA"
 # Versioned so that a change to what is hashed is a visible change of format, not a mystery.
 RUNTIME_HASH_FORMAT = "sandbox-supervisor-runtime-hash/1"
 # Compiled bytecode embeds source mtimes and depends on when imports happened: not content.

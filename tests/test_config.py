@@ -341,3 +341,17 @@ def test_bad_arguments_exit_2() -> None:
     assert run_cli("check-config", "--no-such-flag").returncode == 2
     assert run_cli("no-such-command").returncode == 2
     assert run_cli().returncode == 2
+
+
+def test_the_images_build_sha_variable_is_not_a_config_override() -> None:
+    """operations.md's Dockerfile sets the build commit in the image's environment; serve and
+    check-config inherit it, so it must not fall under the override prefix, where an
+    unknown name is an error."""
+    from supervisor.config import ENV_PREFIX
+    from supervisor.onboarding import BUILD_SHA_ENV
+
+    assert not BUILD_SHA_ENV.startswith(ENV_PREFIX)
+    config = load_config(None, env={**REQUIRED_ENV, BUILD_SHA_ENV: "a" * 40})
+    assert config.authority.issuer
+    with pytest.raises(ConfigError):  # a stray name under the prefix is still caught
+        load_config(None, env={**REQUIRED_ENV, ENV_PREFIX + "BUILD_SHA": "a" * 40})

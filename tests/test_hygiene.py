@@ -8,6 +8,8 @@ import json
 import os
 import re
 
+import trio
+
 from testing.client import http_request
 from testing.daemon import DaemonProcess, make_layout
 
@@ -104,3 +106,29 @@ def test_every_log_event_is_in_the_readme_vocabulary():
     assert len(names) > 20
     missing = sorted(name for name in names if f"`{name}`" not in readme)
     assert missing == []
+
+
+async def test_a_malformed_head_never_logs_its_header_values(tmp_path, authority):
+    """h11 quotes the line it refuses; an assertion sent with a space before the colon must
+    not reach the log through that quote."""
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        stream = await running.tcp.open_stream()
+        await stream.send_all(
+            b"GET /v1/control HTTP/1.1\r\nHost: localhost\r\n"
+            b"x-coding-agent-control-authority : eyJ" + CANARY.encode() + b"\r\n\r\n"
+        )
+        with trio.fail_after(10):
+            answer = b""
+            while chunk := await stream.receive_some(4096):
+                answer += chunk
+        await stream.aclose()
+        assert answer.startswith(b"HTTP/1.1 400")
+        with trio.fail_after(10):
+            while not any(e.get("event") == "http.bad_request" for e in process.log_events()):
+                await trio.sleep(0.02)
+    finally:
+        assert await process.stop() == 0
+    assert CANARY not in process.log_text()
