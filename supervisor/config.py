@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -49,7 +50,14 @@ DEFAULT_BASE_ENV = {
 
 # Sections are strict (no "15" → 15, no true → 1) except paths, which must convert from the
 # TOML/env strings that carry them.
-LaxPath = Annotated[Path, Field(strict=False)]
+def _no_nul(path: Path) -> Path:
+    # The OS refuses such a path at its first use, far from the setting that caused it.
+    if "\x00" in str(path):
+        raise ValueError("a path must not contain a NUL byte")
+    return path
+
+
+LaxPath = Annotated[Path, Field(strict=False), AfterValidator(_no_nul)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
@@ -305,7 +313,8 @@ def _read_toml(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any]:
             return tomllib.load(f)
     except OSError as exc:
         problems.append((str(path), f"cannot read the configuration file: {exc.strerror}"))
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:
+        # TOMLDecodeError, a file that is not UTF-8, an integer past Python's digit limit.
         problems.append((str(path), f"invalid TOML: {exc}"))
     return {}
 
@@ -335,7 +344,7 @@ def _env_value(section: str, key: str, text: str) -> Any:
     For a text key, only a TOML string counts: issuer `123` stays the string "123"."""
     try:
         parsed = tomllib.loads(f"value = {text}")
-    except tomllib.TOMLDecodeError:
+    except ValueError:  # not TOML (or an integer past Python's digit limit): the raw text
         return text
     # Text like "1\nother = 2" parses, but as more than one value: take it literally.
     if list(parsed) != ["value"]:

@@ -146,7 +146,7 @@ def load_signing_jwk(path: Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError):
         raise KeyFileError(f"{path} is not a valid {CURVE_NAME} private key") from None
     public = key.public_key().public_numbers()
-    if _int_b64(public.x) != jwk["x"] or _int_b64(public.y) != jwk["y"]:
+    if _int_b64(public.x) != jwk.get("x") or _int_b64(public.y) != jwk.get("y"):
         raise KeyFileError(f"{path}: x and y do not belong to d")
     return jwk
 

@@ -394,10 +394,15 @@ def build_record(
     return record
 
 
+# Past this the text goes to the model as text (and is refused as not an integer) instead
+# of to int(), which raises for more than 4,300 digits.
+MAX_INTEGER_DIGITS = 18
+
+
 def _integer(text: str | None) -> int | str | None:
     # Strict model: hand it an int when the text is plainly one, else the text, so that the
     # problem ("Input should be a valid integer") is reported by the model like any other.
-    if text is not None and text.isascii() and text.isdigit():
+    if text is not None and text.isascii() and text.isdigit() and len(text) <= MAX_INTEGER_DIGITS:
         return int(text)
     return text
 

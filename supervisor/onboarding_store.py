@@ -49,7 +49,9 @@ class JsonFileOnboardingStore:
     """Records in one JSON file: {"format": STORE_FORMAT, "records": [...]}, sorted by key."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
+        # The real path: a store reached through a symlink is written (renamed into place)
+        # and locked where it lives, not beside the link, which the rename would replace.
+        self.path = Path(os.path.realpath(path))
 
     @property
     def lock_path(self) -> Path:
@@ -78,8 +80,8 @@ class JsonFileOnboardingStore:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, STORE_FILE_MODE)
         except OSError as exc:
             raise OnboardingStoreError(f"cannot open {self.lock_path}: {exc.strerror}") from None
@@ -145,6 +147,8 @@ class JsonFileOnboardingStore:
                 stale.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                raise OnboardingStoreError(f"cannot remove {stale}: {exc.strerror}") from None
 
 
 def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -37,6 +37,8 @@ LINGER_AFTER_RESPONSE_S = 0.25
 LINGER_MAX_BYTES = 256 * 1024
 LISTEN_BACKLOG = 512
 UNIX_SOCKET_MODE = 0o600
+# How long the check for a live listener on an existing unix socket path may take.
+UNIX_PROBE_TIMEOUT_S = 1.0
 
 
 class ConnectionApp(Protocol):
@@ -259,7 +261,14 @@ async def open_tcp_listener(value: str) -> tuple[list[trio.SocketListener], list
     return listeners, bound
 
 
+# The (device, inode) of every unix socket node this process bound, by path.
+_created_unix_nodes: dict[str, tuple[int, int]] = {}
+
+
 def _remove_stale_unix_socket(path: Path) -> None:
+    """Remove a socket file nobody listens on any more (left by a killed daemon). A socket
+    someone still accepts on is refused, not taken over: a second daemon started with the
+    same path must not cut the first one off (nor delete its socket when it exits)."""
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
@@ -267,7 +276,19 @@ def _remove_stale_unix_socket(path: Path) -> None:
     if not stat.S_ISSOCK(mode):
         # Refusing beats deleting someone's regular file because a config pointed at it.
         raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
-    path.unlink()
+    probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    probe.settimeout(UNIX_PROBE_TIMEOUT_S)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # nobody listens: stale
+    except OSError:
+        pass  # cannot tell (a full backlog times out): treat as stale, as before
+    else:
+        raise OSError(errno.EADDRINUSE, f"{path} is in use: another process listens on it")
+    finally:
+        probe.close()
+    path.unlink(missing_ok=True)
 
 
 async def open_unix_listener(path_text: str) -> trio.SocketListener:
@@ -284,6 +305,8 @@ async def open_unix_listener(path_text: str) -> trio.SocketListener:
         os.umask(old_umask)
     os.chmod(path, UNIX_SOCKET_MODE)
     sock.listen(LISTEN_BACKLOG)
+    node = os.lstat(path)
+    _created_unix_nodes[str(path)] = (node.st_dev, node.st_ino)
     return trio.SocketListener(sock)
 
 
@@ -305,9 +328,12 @@ async def open_listeners(tcp: list[str], unix: list[str]) -> BoundListeners:
 
 
 def remove_unix_paths(paths: list[str]) -> None:
+    """Remove the socket files this process created, and only those: a path whose node was
+    replaced since (another daemon's socket) is left alone."""
     for path in paths:
         try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
+            node = os.lstat(path)
+            if stat.S_ISSOCK(node.st_mode) and _created_unix_nodes.get(path) == (node.st_dev, node.st_ino):
                 os.unlink(path)
         except FileNotFoundError:
             pass

@@ -200,6 +200,12 @@ def test_load_signing_jwk_refuses_public_and_mismatched_keys(tmp_path: Path) -> 
     mixed.write_text(json.dumps({**jwk, "x": other["x"], "y": other["y"]}))
     with pytest.raises(KeyFileError, match="do not belong"):
         load_signing_jwk(mixed)
+    for member in ("x", "y"):  # a key file without a public coordinate
+        partial = tmp_path / f"no-{member}.jwk"
+        partial.write_text(json.dumps({k: v for k, v in jwk.items() if k != member}))
+        with pytest.raises(KeyFileError, match="do not belong"):
+            load_signing_jwk(partial)
+        assert cli.main(["keys", "mint", "--key", str(partial), "--claims", "{}"]) == 2
 
 
 def test_keys_commands_work_as_a_module(tmp_path: Path) -> None:

@@ -355,3 +355,38 @@ def test_the_images_build_sha_variable_is_not_a_config_override() -> None:
     assert config.authority.issuer
     with pytest.raises(ConfigError):  # a stray name under the prefix is still caught
         load_config(None, env={**REQUIRED_ENV, ENV_PREFIX + "BUILD_SHA": "a" * 40})
+
+
+def test_every_configurable_log_level_filters_as_named() -> None:
+    import io
+    from typing import get_args
+
+    import structlog
+
+    from supervisor.config import LogLevel
+    from supervisor.logs import LEVELS, configure_logging
+
+    assert set(LEVELS) == set(get_args(LogLevel))
+    stream = io.StringIO()
+    configure_logging("critical", stream=stream)
+    structlog.get_logger("t").error("not.shown")
+    structlog.get_logger("t").critical("shown")
+    assert "shown" in stream.getvalue() and "not.shown" not in stream.getvalue()
+    configure_logging("info")
+
+
+def test_bad_bytes_and_huge_numbers_in_the_config_are_reported_not_raised(tmp_path) -> None:
+    not_utf8 = tmp_path / "c.toml"
+    not_utf8.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError) as caught:
+        load_config(not_utf8, env=REQUIRED_ENV)
+    assert any("invalid TOML" in message for _, message in caught.value.problems)
+    huge = tmp_path / "h.toml"
+    huge.write_text("[exec]\nmax_processes = " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError):
+        load_config(huge, env=REQUIRED_ENV)
+    with pytest.raises(ConfigError):
+        load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_EXEC__MAX_PROCESSES": "9" * 5000})
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_PATHS__STATE_DIR": '"/tmp/a\\u0000b"'})
+    assert any("NUL" in message for _, message in caught.value.problems)

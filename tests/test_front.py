@@ -93,6 +93,22 @@ async def test_unix_socket_mode_and_stale_path(tmp_path, authority):
     assert not layout.unix_socket.exists()
 
 
+async def test_a_unix_path_in_use_is_refused_not_taken_over(tmp_path, authority):
+    """A second daemon configured with the first one's unix socket path must not delete the
+    live socket and bind its own (cutting the first off); it fails to start, and the first
+    keeps its socket."""
+    first = make_layout(tmp_path / "one", authority=authority)
+    second = make_layout(tmp_path / "two", authority=authority, listen={"unix": [str(first.unix_socket)]})
+    async with in_process_daemon(first) as daemon:
+        before = os.stat(first.unix_socket).st_ino
+        process = DaemonProcess(second)
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            await process.start()
+        assert "in use" in process.log_text()
+        assert os.stat(first.unix_socket).st_ino == before
+        assert (await http_request(daemon.unix, "GET", "/healthz")).status == 200
+
+
 # --- WebSocket frame limits ---------------------------------------------------------------
 
 

@@ -533,3 +533,28 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_intact(tmp_path: Path) ->
     assert time.monotonic() - started < 5
     assert not temp.exists()
     assert {r.templateId for r in store.records()} == {"tmpl-abc123", "after"}
+
+
+def test_a_store_reached_through_a_symlink_is_written_where_it_lives(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    JsonFileOnboardingStore(tmp_path / "real" / "s.json").upsert(record())
+    (tmp_path / "link.json").symlink_to(tmp_path / "real" / "s.json")
+    JsonFileOnboardingStore(tmp_path / "link.json").upsert(record(templateId="tmpl-other"))
+    assert (tmp_path / "link.json").is_symlink()  # not replaced by the rename
+    stored = JsonFileOnboardingStore(tmp_path / "real" / "s.json")
+    assert [r.key for r in stored.records()] == [("my-service", "tmpl-abc123"), ("my-service", "tmpl-other")]
+
+
+def test_a_store_whose_parent_is_a_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OnboardingStoreError, match="cannot open"):
+        JsonFileOnboardingStore(tmp_path / "afile" / "s.json").upsert(record())
+
+
+def test_a_profile_version_too_long_for_an_integer_is_a_problem_not_a_crash() -> None:
+    flags = list(VALID_FLAGS)
+    flags[flags.index("--profile-version") + 1] = "9" * 5000
+    completed = run_cli(*flags)
+    assert completed.returncode == 2, completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert any(line.startswith("--profile-version") for line in problems(completed))
