@@ -74,6 +74,18 @@ def group_members(pgid: int) -> list[ProcStat]:
     return members
 
 
+def live_groups() -> set[int]:
+    """The process group ids that have a live (non-zombie) member: one scan of /proc, for
+    checking many groups at once."""
+    groups = set()
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            stat = read_stat(int(entry.name))
+            if stat is not None and stat.state != "Z":
+                groups.add(stat.pgrp)
+    return groups
+
+
 def group_alive(pgid: int) -> bool:
     """True while any non-zombie process remains in the group."""
     try:

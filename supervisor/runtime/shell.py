@@ -148,7 +148,6 @@ class Command:
     wake: trio.Event = field(default_factory=trio.Event)  # data, completion or close
     streams_closed: trio.Event = field(default_factory=trio.Event)
     finished: trio.Event = field(default_factory=trio.Event)  # readers and flusher done
-    watched: bool = False  # a task polls its lingering group (see ShellRuntime._watch_lingering)
 
     def send_signal(self, signum: int) -> bool:
         """Signal the whole group. False when no process of it is left."""
@@ -177,6 +176,10 @@ class ShellRuntime:
         # after every command (a scan happens only when the cap is passed).
         self.spool_bytes = sum(u.bytes for u in spool_usage(settings.state_dir))
         self.stopping = False  # set by stop_all: no command starts after it
+        # Completed commands whose groups still have processes, and whether a task is
+        # sweeping them (one task for all, however many there are).
+        self._lingering: set[Command] = set()
+        self._sweeping = False
 
     @property
     def running(self) -> int:
@@ -293,25 +296,40 @@ class ShellRuntime:
             # Background descendants: stop_all must still find them, and the group must be
             # forgotten once they are gone — before the kernel can hand the pgid's number to
             # an unrelated process that stop_all or a restart would then signal.
-            if not command.watched:
-                command.watched = True
-                self.nursery.start_soon(self._watch_lingering, command)
+            self._lingering.add(command)
+            if not self._sweeping:
+                self._sweeping = True
+                self.nursery.start_soon(self._sweep_lingering)
             return
+        self._forget(command)
+
+    def _forget(self, command: Command) -> None:
+        self._lingering.discard(command)
         self.commands.pop(command.call_id, None)
         try:
             self.store.forget_process(command.call_id)
         except Exception:  # noqa: BLE001 - a stale row only costs a check at the next start
             log.warning("process.forget_failed", call_id=command.call_id)
 
-    async def _watch_lingering(self, command: Command) -> None:
-        """Poll a completed command's group until its last process is gone, then forget it.
+    async def _sweep_lingering(self) -> None:
+        """Forget completed commands whose groups have emptied, checking all of them with
+        one /proc scan (in a worker thread) per LINGER_POLL_S, until none is left.
 
         A number stays reserved while any process uses it as a process group id, so the
         daemon's pgid is safe to signal until the group empties; this keeps the time after
         that (when the number may be reused) down to one poll."""
-        while processes.group_alive(command.pgid):
-            await trio.sleep(LINGER_POLL_S)
-        self._forget_if_done(command)
+        try:
+            while self._lingering:
+                await trio.sleep(LINGER_POLL_S)
+                try:
+                    live = await trio.to_thread.run_sync(processes.live_groups)
+                except OSError as exc:  # /proc unreadable for a moment (EMFILE …): next poll
+                    log.warning("process.scan_failed", error=exc.strerror)
+                    continue
+                for command in [c for c in self._lingering if c.pgid not in live]:
+                    self._forget(command)
+        finally:
+            self._sweeping = False
 
     async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx) -> Command:
         env = build_environment(self.settings.base_env, ctx.agent_env, params.env)
