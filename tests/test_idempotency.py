@@ -264,3 +264,60 @@ async def test_a_result_the_database_refuses_is_reported_and_journaled_on_retry(
     record = daemon.supervisor.store.call_record("full-disk")
     assert record.state == "completed" and record.result_seq == original["seq"]
     assert (await session.call_and_wait("read_file", {"path": "small.txt"}))["ok"] is True
+
+
+async def test_a_refusal_kept_unjournaled_frees_the_key_when_it_returns(tmp_path, monkeypatch):
+    """too_many_processes frees the key with its result. When the database refused that
+    result, the retry journals it (for the first call_id) and then runs as a new execution,
+    as a retry after a journaled refusal would: not a tool.replayed of the refusal."""
+    import json
+
+    import trio.testing
+
+    from protocol.errors import TOO_MANY_PROCESSES
+    from protocol.tools import TOOL_SCOPES
+    from supervisor.journal import Journal
+    from supervisor.runtime.calls import CallContext, CallRunner
+    from supervisor.runtime.failures import ToolFailure
+    from supervisor.store import StateStore, StoreError
+
+    busy = {"refuse": True}
+
+    async def tool(running, runner):
+        if busy["refuse"]:
+            raise ToolFailure(TOO_MANY_PROCESSES, "busy")
+        return {"ran": running.call.call_id}
+
+    context = CallContext(
+        session_id="s", generation=1, cwd=str(tmp_path), agent_env={},
+        scopes=frozenset(TOOL_SCOPES.values()), allowed_paths=None, allowed_commands=None,
+    )
+    replies: list[dict] = []
+
+    async def reply(text: str) -> None:
+        replies.append(json.loads(text))
+
+    def call(call_id: str) -> dict:
+        return {"tool_name": "read_file", "call_id": call_id, "idempotency_key": "k", "parameters": {"path": "f"}}
+
+    first, second = "6f1c1d2e-0000-4000-8000-000000000001", "6f1c1d2e-0000-4000-8000-000000000002"
+    with StateStore.open(tmp_path / "state") as store:
+        journal = Journal(store)
+        real_release = store.release_call
+        def refuse_once(*args, **kwargs):
+            monkeypatch.setattr(store, "release_call", real_release)
+            raise StoreError("database or disk is full")
+        monkeypatch.setattr(store, "release_call", refuse_once)
+        async with trio.open_nursery() as nursery:
+            runner = CallRunner(store, journal, nursery)
+            runner.register("read_file", tool)
+            await runner.submit(call(first), context, reply)
+            await trio.testing.wait_all_tasks_blocked()
+            assert [r["kind"] for r in replies] == ["error"] and journal.last_seq == 0
+            busy["refuse"] = False
+            await runner.submit(call(second), context, reply)
+            await trio.testing.wait_all_tasks_blocked()
+        results = [json.loads(frame)["body"] for _, frame in store.events_after(0, 10)]
+    assert [(r["call_id"], r["ok"]) for r in results] == [(first, False), (second, True)]
+    assert results[1]["result"] == {"ran": second}
+    assert [r["kind"] for r in replies] == ["error"]  # no tool.replayed of the refusal

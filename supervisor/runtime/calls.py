@@ -46,6 +46,8 @@ MAX_CALLS_IN_FLIGHT = 64
 # Results the state database refused to journal, kept (by idempotency key) until the key
 # comes back; past this many the oldest is left to the next start's recovery.
 MAX_UNJOURNALED = 1024
+# …and at most this many characters of them (their bodies and final events, as JSON).
+MAX_UNJOURNALED_CHARS = 8 * 1024 * 1024
 # How long a best-effort error frame may wait for room in the socket's reply queue.
 UNJOURNALED_REPORT_TIMEOUT_S = 1.0
 UNJOURNALED_KEYLESS_MESSAGE = "The supervisor could not record the call's result; the call may have taken effect."
@@ -100,6 +102,31 @@ class RunningCall:
     @property
     def key(self) -> str | None:
         return self.call.idempotency_key
+
+
+def _frees_key(running: RunningCall, body: dict[str, Any]) -> bool:
+    """A refusal that started nothing, for a reason that passes: its result frees the key."""
+    return (
+        not body["ok"]
+        and body["error"]["code"] in TRANSIENT_REFUSALS
+        and not running.final_events  # nothing was started
+    )
+
+
+@dataclass(slots=True)
+class _Unjournaled:
+    """A finished call whose result the database refused, kept until its key comes back."""
+
+    running: RunningCall
+    body: dict[str, Any]
+    started: float
+    chars: int = 0
+
+    def __post_init__(self) -> None:
+        # default=str: a size estimate must not raise where the journal's encoder did.
+        self.chars = len(json.dumps(self.body, default=str)) + sum(
+            len(json.dumps(b, default=str)) for _, b in self.running.final_events
+        )
 
 
 ToolFunction = Callable[[RunningCall, "CallRunner"], Awaitable[dict[str, Any]]]
@@ -171,7 +198,8 @@ class CallRunner:
         # Finished calls whose result the database refused, by key, oldest first: retried
         # when the key comes back, so the client is not told tool.pending for a call that
         # is no longer running.
-        self.unjournaled: OrderedDict[str, tuple[RunningCall, dict[str, Any], float]] = OrderedDict()
+        self.unjournaled: OrderedDict[str, _Unjournaled] = OrderedDict()
+        self._unjournaled_chars = 0
 
     def register(self, tool_name: str, function: ToolFunction, inline: InlineFunction | None = None) -> None:
         self.tools[tool_name] = function
@@ -297,16 +325,20 @@ class CallRunner:
                 await reply(replayed_frame(call.call_id, key, existing.result_frame))
                 return False
             if outcome is Outcome.PENDING:
-                kept = self.unjournaled.pop(key, None)
+                kept = self._take_unjournaled(key)
                 if kept is None:
                     await reply(pending_frame(call.call_id, key))
                     return False
                 # The first execution finished but its result was not journaled: try again.
-                frame = self._finish(*kept)
-                if frame is not None:
-                    await reply(replayed_frame(call.call_id, key, frame))
-                else:
+                frame = self._finish(kept.running, kept.body, kept.started)
+                if frame is None:
                     await reply(error_frame(errors.INTERNAL, UNJOURNALED_KEYED_MESSAGE, call.call_id))
+                    return False
+                if _frees_key(kept.running, kept.body):
+                    # A refusal that ran nothing was journaled and freed the key with it:
+                    # this call is then a new execution, as it would have been at once.
+                    return await self._claim(call, context, reply)
+                await reply(replayed_frame(call.call_id, key, frame))
                 return False
             if outcome is Outcome.KEY_REUSED:
                 self.journal_result(
@@ -367,11 +399,30 @@ class CallRunner:
             return
         call = running.call
         message = UNJOURNALED_KEYLESS_MESSAGE if call.idempotency_key is None else UNJOURNALED_KEYED_MESSAGE
+        reply, running.reply = running.reply, None  # a kept result must not keep a socket alive
         with trio.move_on_after(UNJOURNALED_REPORT_TIMEOUT_S):
             try:
-                await running.reply(error_frame(errors.INTERNAL, message, call.call_id))
+                await reply(error_frame(errors.INTERNAL, message, call.call_id))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
+
+    def _keep_unjournaled(self, key: str, kept: _Unjournaled) -> None:
+        self._take_unjournaled(key)
+        self.unjournaled[key] = kept
+        self._unjournaled_chars += kept.chars
+        # Past the bounds the oldest are dropped: their records stay pending, and the next
+        # start resolves them (7.1), as it would have without this memory.
+        while self.unjournaled and (
+            len(self.unjournaled) > MAX_UNJOURNALED or self._unjournaled_chars > MAX_UNJOURNALED_CHARS
+        ):
+            _, dropped = self.unjournaled.popitem(last=False)
+            self._unjournaled_chars -= dropped.chars
+
+    def _take_unjournaled(self, key: str) -> _Unjournaled | None:
+        kept = self.unjournaled.pop(key, None)
+        if kept is not None:
+            self._unjournaled_chars -= kept.chars
+        return kept
 
     def _failure_body(self, call: ToolCall, exc: Exception) -> dict[str, Any]:
         """The tool.result body of a tool that raised: its own typed failure, or `internal`
@@ -392,12 +443,7 @@ class CallRunner:
         call = running.call
         key = call.idempotency_key
         try:
-            if (
-                key is not None
-                and not body["ok"]
-                and body["error"]["code"] in TRANSIENT_REFUSALS
-                and not running.final_events  # nothing was started
-            ):
+            if key is not None and _frees_key(running, body):
                 rows = self.journal.release_call(key, body)
                 self._count(body)
             else:
@@ -409,10 +455,7 @@ class CallRunner:
             # when the key comes back (or the next start resolves the record, 7.1).
             log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
             if key is not None:
-                self.unjournaled[key] = (running, body, started)
-                self.unjournaled.move_to_end(key)
-                while len(self.unjournaled) > MAX_UNJOURNALED:
-                    self.unjournaled.popitem(last=False)
+                self._keep_unjournaled(key, _Unjournaled(running, body, started))
             return None
         log.info(
             "tool.finished",
