@@ -24,6 +24,8 @@ NAMED = [
     ('echo "$\'"', ["echo"]),
     ("echo '$[' '$[x]'", ["echo"]),
     ("echo \\$'x'", ["echo"]),
+    ("echo $$'x'", ["echo"]),  # $$ (the pid), then a quoted x
+    ("cat <<'EOF'\n$[x]\nEOF", ["cat"]),  # a quoted delimiter: the body is text
     # plain commands, paths, arguments
     ("make test", ["make"]),
     ("/usr/bin/make -C src all", ["make"]),
@@ -130,6 +132,8 @@ REFUSED = [
     ("printf '%s' $'a\\tb'", None),
     ("z=$[x]", None),
     ('echo "$[1+1]"', None),
+    ("cat <<EOF\n$[x]\nEOF", None),
+    ("echo $$$'x'", None),  # $$ then ANSI-C quoting
     # command substitution, in every spelling
     ("echo $(rm x)", None),
     ("echo `rm x`", None),

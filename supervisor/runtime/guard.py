@@ -268,6 +268,12 @@ class _Lexer:
                     "allowed_commands guard (quote the delimiter, as in <<'EOF', to pass the "
                     "text as it is)."
                 )
+            construct = _unreadable_dollar(joined, in_heredoc=True) if heredoc.expands else None
+            if construct is not None:
+                raise GuardRefusal(
+                    f"{construct} in a here-document is not allowed by the allowed_commands "
+                    "guard (quote the delimiter, as in <<'EOF', to pass the text as it is)."
+                )
         self.heredocs.clear()
         return min(position, len(text))
 
@@ -301,8 +307,9 @@ def _read_word(value: str, raw: str, start: int) -> _Word | None:
     return _Word(value, raw, start)
 
 
-def _unreadable_dollar(raw: str) -> str | None:
-    """Name a `$` form that shlex misreads, outside single quotes, or None.
+def _unreadable_dollar(raw: str, *, in_heredoc: bool = False) -> str | None:
+    """Name a `$` form that shlex misreads, outside single quotes, or None (in the body of
+    a here-document with an unquoted delimiter, `$[…]` only: quotes are text there).
 
     - `$'…'` (ANSI-C quoting, unquoted): `\\'` escapes a quote inside it, which shlex takes
       as the quote's end, so the two would disagree on where commands start
@@ -310,11 +317,16 @@ def _unreadable_dollar(raw: str) -> str | None:
     - `$[…]` (old arithmetic, also in double quotes): evaluated like `$((…))`, which is
       refused, and an array subscript in it runs command substitutions held in variables.
     """
-    for index, quote in _live_characters(raw, in_heredoc=False):
+    after_pid = -1  # the second "$" of "$$" (the shell's pid) begins nothing
+    for index, quote in _live_characters(raw, in_heredoc=in_heredoc):
         pair = raw[index : index + 2]
-        if pair == "$'" and quote is None:
+        if index == after_pid:
+            continue
+        if pair == "$$":
+            after_pid = index + 1
+        elif pair == "$'" and quote is None and not in_heredoc:
             return "ANSI-C quoting ($'…')"
-        if pair == "$[":
+        elif pair == "$[":
             return "Arithmetic expansion ($[…])"
     return None
 
