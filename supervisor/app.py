@@ -308,6 +308,10 @@ class Supervisor:
                     pass
             # Forgotten only once closed, so a drain waiting for all sockets waits for this.
             self.hub.forget(conn)
+            if conn.close_request is None and ws.closed is not None:
+                # Closed before we asked: by the peer, or by the WebSocket library itself (1009
+                # for a message over its limit). Log that close, not the default we sent.
+                code, reason = ws.closed.code, ws.closed.reason or ""
             bound_log.info("socket.closed", code=code, reason=reason)
 
     async def _keepalive(self, conn: Connection) -> None:

@@ -31,6 +31,26 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (repl
 REJECTION_RECEIPT_CODE = 4400
 REJECTION_RECEIPT_REASON = "bootstrap rejection received"
 FRAME_ERRORS = ("invalid_frame", "unknown_kind", "generation_mismatch")
+# Results that never held the idempotency key (7.1): after a tool.pending they are not the
+# one result the key's first execution will produce.
+NON_CLAIMING_CODES = frozenset({"too_many_processes", "idempotency_key_reused"})
+# How often call_and_wait sends a call again (same key) after the daemon said it could not
+# record its result yet (error frame `internal` for the call).
+RECORD_RETRIES = 3
+RECORD_RETRY_DELAY_S = 0.2
+
+
+class CallNotAnswered(Exception):
+    """The daemon answered a tool.call with an `error` frame instead of a result: the frame
+    was refused (invalid_frame, generation_mismatch …), or (`internal`) the call or its result
+    could not be recorded. `retryable` when sending it again with the same key is the fix."""
+
+    def __init__(self, call_id: str, body: dict, *, keyed: bool) -> None:
+        super().__init__(f"error frame for call {call_id}: {body}")
+        self.call_id = call_id
+        self.code = body.get("code")
+        self.message = body.get("message")
+        self.retryable = keyed and self.code == "internal"
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +189,13 @@ class SessionState:
     generation: int = 0
     events: dict[int, dict] = field(default_factory=dict)  # seq → frame, as stored
     acked: int = 0  # the highest seq acked to the daemon (it may have pruned up to there)
+    # For each call sent: the highest seq stored when it was sent. Its result is journaled
+    # after that, so an older result with the same call_id or key is not its answer.
+    sent_after: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def max_seq(self) -> int:
+        return max(self.events, default=self.acked)
 
     @property
     def ack_floor(self) -> int:
@@ -281,6 +308,10 @@ class ControlClient:
             yield ControlSession(self, ws, generation, attempt_id)
 
 
+def _non_claiming(body: dict) -> bool:
+    return not body.get("ok") and body.get("error", {}).get("code") in NON_CLAIMING_CODES
+
+
 class ControlSession:
     """One open control socket."""
 
@@ -323,6 +354,10 @@ class ControlSession:
             raise BootstrapRejected(frame["body"]["code"], frame["body"]["message"])
         if frame.get("kind") != "runtime.state":
             raise AssertionError(f"expected runtime.state, got {frame!r}")
+        # The daemon's floor is what was acked before (perhaps by another instance of this
+        # control plane): those events are pruned, so this client's floor starts there.
+        state = self.client.state
+        state.acked = max(state.acked, frame["body"].get("ackFloor", 0))
         return frame
 
     async def ack(self, seq: int | None = None) -> None:
@@ -343,6 +378,7 @@ class ControlSession:
         body: dict[str, Any] = {"tool_name": tool_name, "call_id": call_id, "parameters": parameters}
         if idempotency_key is not None:
             body["idempotency_key"] = idempotency_key
+        self.client.state.sent_after[call_id] = self.client.state.max_seq
         await self.send("tool.call", body)
         if idempotency_key is not None:
             self.keys[call_id] = idempotency_key
@@ -359,18 +395,21 @@ class ControlSession:
     async def result(self, call_id: str, timeout: float = 10.0) -> dict:
         """The outcome of a call: its tool.result body, or the original one carried by a
         tool.replayed. After a tool.pending the result of the first execution (same
-        idempotency key, the first call's call_id) is awaited."""
+        idempotency key, the first call's call_id) is awaited. Raises CallNotAnswered when
+        the daemon answers the call with an `error` frame."""
         key = self.keys.get(call_id)
+        after = self.client.state.sent_after.get(call_id, -1)
         pending = False  # set by a tool.pending: then the first execution's result answers
 
         def stored() -> dict | None:
-            results = self.client.state.results()
-            if call_id in results:
-                return results[call_id]
-            if pending:
-                for body in results.values():
-                    if body.get("idempotency_key") == key:
-                        return body
+            for seq, frame in sorted(self.client.state.events.items()):
+                body = frame.get("body", {})
+                if frame.get("kind") != "tool.result" or seq <= after:
+                    continue  # journaled before this call was sent: another call's answer
+                if body.get("call_id") == call_id:
+                    return body
+                if pending and body.get("idempotency_key") == key and not _non_claiming(body):
+                    return body
             return None
 
         found = stored()
@@ -384,18 +423,30 @@ class ControlSession:
                     return body["original"]["body"]
                 if kind == "tool.pending" and body.get("call_id") == call_id:
                     pending = True
-                # An error about the tool.call frame itself (exec.* frames for the same call
-                # get their own errors, such as not_running, which do not end the wait).
-                if kind == "error" and body.get("call_id") == call_id and body.get("code") in FRAME_ERRORS:
-                    raise AssertionError(f"error frame for call {call_id}: {body}")
+                # An error about the tool.call itself (exec.* frames for the same call get
+                # their own errors, such as not_running, which do not end the wait).
+                if kind == "error" and body.get("call_id") == call_id and (
+                    body.get("code") in FRAME_ERRORS or body.get("code") == "internal"
+                ):
+                    raise CallNotAnswered(call_id, body, keyed=key is not None)
                 if kind in ("tool.result", "tool.pending"):
                     found = stored()
                     if found is not None:
                         return found
 
     async def call_and_wait(self, tool_name: str, parameters: dict, **kwargs: Any) -> dict:
-        call_id = await self.call(tool_name, parameters, **kwargs)
-        return await self.result(call_id)
+        """Call and wait for the outcome. When the daemon could not record the call or its
+        result (a full disk, say) and the call has a key, send it again with the same key,
+        as PROTOCOL 7.1 says a control plane should: the call still runs at most once."""
+        for attempt in range(RECORD_RETRIES + 1):
+            call_id = await self.call(tool_name, parameters, **kwargs)
+            try:
+                return await self.result(call_id)
+            except CallNotAnswered as refused:
+                if not refused.retryable or attempt == RECORD_RETRIES:
+                    raise
+            await trio.sleep(RECORD_RETRY_DELAY_S)
+        raise AssertionError("unreachable")
 
     async def closed_reason(self, timeout: float = 10.0) -> trio_websocket.CloseReason:
         """Wait until the daemon closes the socket; return its code and reason."""

@@ -136,6 +136,25 @@ async def test_message_one_byte_over_closes_1009(daemon, transport):
     assert reason.code == 1009
 
 
+async def test_the_log_names_the_close_the_websocket_library_made(tmp_path, authority):
+    """trio-websocket closes an oversized message with 1009 itself; socket.closed must say
+    1009 and its reason, not the default close the daemon would have sent."""
+    layout = make_layout(tmp_path / "d", authority=authority)
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        async with running.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await session.ws.send_message("x" * (MAX_MESSAGE + 1))
+            assert (await session.closed_reason()).code == 1009
+        with trio.fail_after(10):
+            while not (closed := [e for e in process.log_events() if e.get("event") == "socket.closed"]):
+                await trio.sleep(0.02)
+    finally:
+        assert await process.stop() == 0
+    assert (closed[0]["code"], closed[0]["reason"]) == (1009, "Exceeded maximum message size: 131072 bytes")
+
+
 async def test_binary_frame_after_bootstrap_closes_1003(daemon, transport):
     async with daemon.client(endpoint_of(daemon, transport)).connect() as session:
         await session.bootstrap(cwd=str(daemon.layout.workspace))
