@@ -282,8 +282,12 @@ def _remove_stale_unix_socket(path: Path) -> None:
         probe.connect(str(path))
     except (ConnectionRefusedError, FileNotFoundError):
         pass  # nobody listens: stale
-    except OSError:
-        pass  # cannot tell (a full backlog times out): treat as stale, as before
+    except OSError as exc:
+        # Cannot tell: a full backlog (EAGAIN, a timeout), a socket of another user (EACCES).
+        # Someone may be serving on it; refusing to start is the safe answer.
+        raise OSError(
+            errno.EADDRINUSE, f"{path} may be in use (connecting to it failed: {exc.strerror or exc})"
+        ) from None
     else:
         raise OSError(errno.EADDRINUSE, f"{path} is in use: another process listens on it")
     finally:
@@ -306,7 +310,8 @@ async def open_unix_listener(path_text: str) -> trio.SocketListener:
     os.chmod(path, UNIX_SOCKET_MODE)
     sock.listen(LISTEN_BACKLOG)
     node = os.lstat(path)
-    _created_unix_nodes[str(path)] = (node.st_dev, node.st_ino)
+    # Keyed by the configured text, which is what remove_unix_paths is given at exit.
+    _created_unix_nodes[path_text] = (node.st_dev, node.st_ino)
     return trio.SocketListener(sock)
 
 

@@ -445,6 +445,9 @@ class ControlSession:
             except CallNotAnswered as refused:
                 if not refused.retryable or attempt == RECORD_RETRIES:
                     raise
+            # A retry is a new call with the same key: under the old call_id the daemon may
+            # still journal the first call's own result (a refusal that freed the key).
+            kwargs.pop("call_id", None)
             await trio.sleep(RECORD_RETRY_DELAY_S)
         raise AssertionError("unreachable")
 

@@ -109,6 +109,44 @@ async def test_a_unix_path_in_use_is_refused_not_taken_over(tmp_path, authority)
         assert (await http_request(daemon.unix, "GET", "/healthz")).status == 200
 
 
+async def test_a_unix_path_whose_listener_cannot_be_reached_is_not_taken_over(tmp_path, authority):
+    """A listener with a full backlog answers a probe with EAGAIN, not a refusal: it may be
+    serving, so the daemon refuses to start rather than delete its socket."""
+    path = tmp_path / "busy.sock"
+    owner = socket.socket(socket.AF_UNIX)
+    owner.bind(str(path))
+    owner.listen(0)
+    waiting = []
+    try:
+        while True:  # fill the backlog
+            client = socket.socket(socket.AF_UNIX)
+            client.setblocking(False)
+            waiting.append(client)
+            try:
+                client.connect(str(path))
+            except BlockingIOError:
+                break
+        layout = make_layout(tmp_path / "d", authority=authority, listen={"unix": [str(path)]})
+        process = DaemonProcess(layout)
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            await process.start()
+        assert "may be in use" in process.log_text()
+        assert path.is_socket()
+    finally:
+        for client in waiting:
+            client.close()
+        owner.close()
+
+
+async def test_a_unix_socket_given_with_a_non_canonical_path_is_removed_at_exit(tmp_path, authority):
+    spelled = str(tmp_path) + "//run/./x.sock"  # the same file as tmp_path/run/x.sock
+    (tmp_path / "run").mkdir()
+    layout = make_layout(tmp_path / "d", authority=authority, listen={"unix": [spelled]})
+    async with in_process_daemon(layout):
+        assert (tmp_path / "run" / "x.sock").is_socket()
+    assert not (tmp_path / "run" / "x.sock").exists()
+
+
 # --- WebSocket frame limits ---------------------------------------------------------------
 
 

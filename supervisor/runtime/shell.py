@@ -321,13 +321,17 @@ class ShellRuntime:
         try:
             while self._lingering:
                 await trio.sleep(LINGER_POLL_S)
+                # Only groups that were lingering before the scan began can be judged by it:
+                # one added while the thread reads /proc may be missing from the listing.
+                candidates = set(self._lingering)
                 try:
                     live = await trio.to_thread.run_sync(processes.live_groups)
                 except OSError as exc:  # /proc unreadable for a moment (EMFILE …): next poll
                     log.warning("process.scan_failed", error=exc.strerror)
                     continue
-                for command in [c for c in self._lingering if c.pgid not in live]:
-                    self._forget(command)
+                for command in candidates:
+                    if command.pgid not in live and command in self._lingering:
+                        self._forget(command)
         finally:
             self._sweeping = False
 
