@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import trio
 
+from testing.authority import LoopbackAuthority
 from testing.client import UpgradeRejected, http_request
 from testing.daemon import DaemonProcess, make_layout
 
@@ -79,24 +81,35 @@ async def test_random_request_heads_never_crash_or_hang_the_daemon(tmp_path, aut
 
 
 async def test_rejected_upgrades_leak_no_file_descriptors(tmp_path, authority):
+    """400 upgrades, each refused at a different gate step in turn (sandbox mismatch 409, a
+    forged assertion 401, a stale generation 409): the daemon's open files do not grow."""
     layout = make_layout(tmp_path / "d", authority=authority)
     process = DaemonProcess(layout)
     running = await process.start()
     try:
-        client = running.client(sandbox_id="sbx-not-this-one")
-        for _ in range(20):  # warm up: lazily opened files, first-use allocations
-            try:
-                async with client.connect():
-                    pass
-            except UpgradeRejected:
-                pass
+        async with running.client().connect(generation=1000):
+            pass  # fences generation 1000: lower ones are stale from here on
+        wrong_sandbox = running.client(sandbox_id="sbx-not-this-one")
+        forged = running.client()
+        forged.authority = LoopbackAuthority(kid=authority.kid, issuer=authority.issuer)  # same kid, other key
+        stale = running.client()
+        refusals = [
+            (wrong_sandbox, {"generation": 1001}, (409, "sandbox_mismatch")),
+            (forged, {"generation": 1001}, (401, "invalid_authority")),
+            (stale, {"generation": 5}, (409, "stale_generation")),
+        ]
+
+        async def refuse_all(rounds: int) -> None:
+            for i in range(rounds):
+                client, kwargs, expected = refusals[i % len(refusals)]
+                with pytest.raises(UpgradeRejected) as rejected:
+                    async with client.connect(**kwargs):
+                        pass
+                assert (rejected.value.status, rejected.value.error) == expected
+
+        await refuse_all(30)  # warm up: lazily opened files, first-use allocations
         before = open_fds(process.proc.pid)
-        for i in range(400):
-            try:
-                async with client.connect(assertion=None if i % 2 else True):
-                    pass
-            except UpgradeRejected as rejected:
-                assert rejected.status in (401, 409)
+        await refuse_all(400)
         # Rejected sockets linger briefly before they close; a leak never comes back down,
         # a busy machine only takes longer, so wait (bounded) instead of sleeping a guess.
         with trio.move_on_after(FD_SETTLE_S):

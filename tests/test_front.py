@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import struct
 
@@ -15,7 +16,6 @@ import trio
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from supervisor.gate import Lifecycle
 from supervisor.http_front import (
     HeadReader,
     HeadTooLarge,
@@ -24,7 +24,8 @@ from supervisor.http_front import (
     RoutePaths,
     classify,
 )
-from testing.client import Endpoint, http_request
+from supervisor.store import DB_FILENAME
+from testing.client import Endpoint, UpgradeRejected, http_request
 from testing.daemon import DaemonProcess, in_process_daemon, make_layout
 from testing.fuzzing import fuzz_settings
 
@@ -52,11 +53,42 @@ async def test_health_fields_and_no_session_data(daemon, transport):
         assert secret not in text
 
 
-async def test_health_is_503_while_draining(daemon):
-    daemon.supervisor.lifecycle = Lifecycle.DRAINING
-    response = await http_request(daemon.tcp, "GET", "/healthz")
-    daemon.supervisor.lifecycle = Lifecycle.SERVING
-    assert response.status == 503 and response.json()["status"] == "draining"
+async def test_a_real_sigterm_drains_health_upgrades_and_new_commands(tmp_path, authority):
+    """SIGTERM to the daemon while a command ignores SIGTERM: until the kill grace ends the
+    command, /healthz says draining (503), an upgrade is refused 503 draining, and a new
+    command on the still open socket is refused `interrupted` with its key freed."""
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"kill_grace_ms": 4000})
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        client = running.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            stubborn = await session.call(
+                "execute_shell_command", {"command": "trap '' TERM; echo up; sleep 30"}, idempotency_key="stubborn"
+            )
+            await session.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == stubborn)
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(5):
+                while (health := await http_request(running.tcp, "GET", "/healthz")).status == 200:
+                    await trio.sleep(0.02)
+            assert (health.status, health.json()["status"]) == (503, "draining")
+            with pytest.raises(UpgradeRejected) as upgrade:
+                async with running.client().connect(generation=2):
+                    pass
+            assert (upgrade.value.status, upgrade.value.error) == (503, "draining")
+            refused = await session.call_and_wait(
+                "execute_shell_command", {"command": "echo never"}, idempotency_key="late"
+            )
+            assert refused["ok"] is False and refused["error"]["code"] == "interrupted"
+        assert await process.wait(timeout=15) == 0
+    finally:
+        await process.stop()
+    conn = sqlite3.connect(layout.state_dir / DB_FILENAME)
+    try:  # the refused command's key was freed with its result (a later retry may run)
+        assert conn.execute("SELECT COUNT(*) FROM idempotency WHERE key = 'late'").fetchone()[0] == 0
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize(

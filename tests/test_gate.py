@@ -13,7 +13,7 @@ from protocol import headers as H
 from supervisor.gate import Lifecycle
 from testing import authority as forge
 from testing.authority import OMIT, LoopbackAuthority, combine_jwks
-from testing.client import UpgradeRejected
+from testing.client import BootstrapRejected, UpgradeRejected
 from testing.daemon import DaemonProcess, in_process_daemon, make_layout
 
 
@@ -36,16 +36,33 @@ def fence(daemon):
 # --- each row of the table, over both transports ------------------------------------------
 
 
-async def test_row1_draining_and_terminated(daemon, transport):
-    client = daemon.client(endpoint_of(daemon, transport))
-    daemon.supervisor.lifecycle = Lifecycle.DRAINING
-    error = await rejected(client)
-    assert (error.status, error.error) == (503, "draining")
-    daemon.supervisor.lifecycle = Lifecycle.TERMINATED
-    error = await rejected(client)
-    assert (error.status, error.error) == (503, "terminated")
-    assert error.body["message"]
-    daemon.supervisor.lifecycle = Lifecycle.SERVING
+async def test_row1_terminated_after_a_rejected_bootstrap(tmp_path, authority):
+    """A refused bootstrap terminates the session for good: from then on an upgrade is
+    refused 503 terminated. The window is held open by a command that ignores SIGTERM (the
+    stop waits its kill grace). (Row 1's `draining` is exercised by a real SIGTERM in
+    test_front.test_a_real_sigterm_drains_health_upgrades_and_new_commands.)"""
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"kill_grace_ms": 4000})
+    (layout.workspace / "sub").mkdir()
+    process = DaemonProcess(layout)
+    running = await process.start()
+    try:
+        client = running.client()
+        async with client.connect(generation=1) as bound:
+            await bound.bootstrap(cwd=str(layout.workspace))
+            stubborn = await bound.call(
+                "execute_shell_command", {"command": "trap '' TERM; echo up; sleep 30"}, idempotency_key="s"
+            )
+            await bound.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == stubborn)
+        async with client.connect(generation=2) as other:
+            with pytest.raises(BootstrapRejected):  # another body: session_binding_mismatch
+                await other.bootstrap(cwd=str(layout.workspace / "sub"))
+        for endpoint in (running.tcp, running.unix):
+            error = await rejected(running.client(endpoint), generation=3)
+            assert (error.status, error.error) == (503, "terminated")
+            assert error.body["message"]
+        assert await process.wait(timeout=15) == 78
+    finally:
+        await process.stop()
 
 
 @pytest.mark.parametrize(
@@ -97,6 +114,7 @@ async def test_row3_sandbox_identity_unavailable_then_retried(daemon, transport)
 
 
 async def test_sandbox_id_env_fallback_only_when_file_is_absent(tmp_path, authority):
+    # File absent: the environment names the sandbox.
     layout = make_layout(tmp_path / "d", authority=authority)
     layout.sandbox_id_file.unlink()
     process = DaemonProcess(layout, env={"E2B_SANDBOX_ID": layout.sandbox_id})
@@ -104,6 +122,17 @@ async def test_sandbox_id_env_fallback_only_when_file_is_absent(tmp_path, author
     try:
         async with running.client().connect():
             pass
+    finally:
+        assert await process.stop() == 0
+    # File present: it wins over a different id in the environment.
+    layout = make_layout(tmp_path / "e", authority=authority)
+    process = DaemonProcess(layout, env={"E2B_SANDBOX_ID": "sbx-from-the-environment"})
+    running = await process.start()
+    try:
+        async with running.client().connect():
+            pass
+        error = await rejected(running.client(sandbox_id="sbx-from-the-environment"), generation=2)
+        assert (error.status, error.error) == (409, "sandbox_mismatch")
     finally:
         assert await process.stop() == 0
 
@@ -326,11 +355,17 @@ async def test_jwks_rotation_by_rewriting_the_file(daemon):
 
 
 async def test_bad_jwks_on_reload_keeps_previous_keys(daemon):
-    private = daemon.layout.authority.jwks()
-    private["keys"][0]["d"] = daemon.layout.authority.signing_jwk()["d"]
-    daemon.layout.jwks_file.write_text(json.dumps(private))
-    async with daemon.client().connect():
+    """A rewritten key file that is refused (it holds a private key) leaves the previous key
+    set in force: the old key still verifies, and the refused file's key does not."""
+    old = daemon.layout.authority
+    other = LoopbackAuthority(kid="refused-key", issuer=old.issuer)
+    daemon.layout.jwks_file.write_text(json.dumps({"keys": [other.signing_jwk()]}))
+    async with daemon.client().connect(generation=1):
         pass  # still verified with the previous key set
+    client_other = daemon.client()
+    client_other.authority = other
+    error = await rejected(client_other, generation=2)
+    assert (error.status, error.error) == (401, "invalid_authority")
 
 
 async def test_jwks_with_private_key_refused_at_start(tmp_path, authority):

@@ -162,17 +162,15 @@ async def test_replayed_result_survives_pruning(daemon):
     assert frame["body"]["original"]["seq"] == 1
 
 
-async def test_a_store_failure_while_recording_a_call_is_a_typed_answer(daemon, session, monkeypatch):
-    """Injected failure of the state database (as with a full disk): the call is answered
-    `internal`, nothing runs, the socket stays usable, and the same key works afterwards."""
-    from supervisor.store import StoreError
-
-    def refuse(**_):
-        raise StoreError("database or disk is full")
-
-    store = daemon.supervisor.store
-    monkeypatch.setattr(store, "begin_call", refuse)
-    call_id = await session.call("apply_file_patch", create_call("g.txt", "g\n"), idempotency_key="k-g")
+async def test_a_store_failure_while_recording_a_call_is_a_typed_answer(daemon, session):
+    """The state database refuses to record the call (SQLITE_FULL, as on a full disk: the
+    daemon's own connection may not grow, and the call's record needs new pages). The call
+    is answered `internal`, nothing runs, the socket stays usable, and the same key works
+    once there is room again."""
+    content = "g\n" * 30000  # the pending record keeps the ~90 KB diff: it needs new pages
+    conn = daemon.supervisor.store._conn
+    conn.execute(f"PRAGMA max_page_count = {conn.execute('PRAGMA page_count').fetchone()[0]}")
+    call_id = await session.call("apply_file_patch", create_call("g.txt", content), idempotency_key="k-g")
     frame = await session.receive_until(lambda f: f["kind"] == "error")
     assert frame["body"] == {
         "code": "internal",
@@ -180,9 +178,9 @@ async def test_a_store_failure_while_recording_a_call_is_a_typed_answer(daemon, 
         "call_id": call_id,
     }
     assert not (daemon.layout.workspace / "g.txt").exists()
-    monkeypatch.undo()
-    result = await session.call_and_wait("apply_file_patch", create_call("g.txt", "g\n"), idempotency_key="k-g")
-    assert result["ok"] is True and (daemon.layout.workspace / "g.txt").read_text() == "g\n"
+    conn.execute("PRAGMA max_page_count = 1073741823")
+    result = await session.call_and_wait("apply_file_patch", create_call("g.txt", content), idempotency_key="k-g")
+    assert result["ok"] is True and (daemon.layout.workspace / "g.txt").read_text() == content
 
 
 async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(tmp_path):

@@ -479,6 +479,12 @@ def test_concurrent_upserts_lose_no_record(tmp_path: Path) -> None:
     assert templates == {f"w{n}-{i}" for n in range(8) for i in range(10)}
 
 
+def _waits_for_a_lock(pid: int) -> bool:
+    """/proc/locks marks a blocked waiter with '->' before the lock type."""
+    with open("/proc/locks") as locks:
+        return any("->" in line and f" {pid} " in line for line in locks)
+
+
 def test_an_upsert_waits_for_the_lock(tmp_path: Path) -> None:
     path = tmp_path / "store.json"
     store = JsonFileOnboardingStore(path)
@@ -487,8 +493,12 @@ def test_an_upsert_waits_for_the_lock(tmp_path: Path) -> None:
     with open(store.lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         writer = start_writer(path, "late", 1)
-        time.sleep(0.5)
-        assert writer.poll() is None  # blocked on our lock
+        # Wait until the kernel lists the writer as a blocked waiter on a lock (a fixed
+        # sleep could pass with a writer that simply had not started yet).
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while not _waits_for_a_lock(writer.pid) and writer.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.poll() is None and _waits_for_a_lock(writer.pid)
         assert path.read_bytes() == before
         fcntl.flock(lock, fcntl.LOCK_UN)
     _, err = writer.communicate(timeout=CLI_TIMEOUT_S)

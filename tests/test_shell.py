@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import sys
 import uuid
 
 import trio
@@ -261,10 +262,18 @@ async def test_timeout_kills_grandchild_that_ignores_sigterm(tmp_path, authority
 
 async def test_sigint_reaches_the_group_and_completion_is_once(daemon, session):
     marker = daemon.layout.workspace / "got-int"
-    command = f"trap 'echo int >> {marker}; exit 130' INT; sleep 0.1 & echo ready; while true; do sleep 0.05; done"
+    # A background child that handles SIGINT itself (a shell's background job starts with
+    # SIGINT ignored, and Python may install a handler over that): it reports only if the
+    # signal went to the whole group, not just to the shell at its head.
+    child = (
+        f"{sys.executable} -c \"import signal, sys, time; "
+        f"signal.signal(signal.SIGINT, lambda *a: (open('{marker}', 'a').write('child\\n'), sys.exit(0))); "
+        "print('child-ready', flush=True); time.sleep(30)\""
+    )
+    command = f"trap 'echo int >> {marker}; exit 130' INT; {child} & echo ready; while true; do sleep 0.05; done"
     call_id = await session.call("execute_shell_command", {"command": command}, idempotency_key="sig")
     started = await session.receive_until(lambda f: f["kind"] == "exec.started")
-    await session.receive_until(lambda f: f["kind"] == "exec.output" and "ready" in f["body"]["text"])
+    await session.receive_until(lambda f: f["kind"] == "exec.output" and "child-ready" in f["body"]["text"])
     for _ in range(5):
         await session.send("exec.signal", {"call_id": call_id, "signal": "SIGINT"})
     result = await session.result(call_id)
@@ -275,6 +284,9 @@ async def test_sigint_reaches_the_group_and_completion_is_once(daemon, session):
     await session.call_and_wait("read_file", {"path": "got-int"})  # flush the journal
     assert len(events_of(session, call_id, "exec.completed")) == 1
     assert marker.read_text().count("int") >= 1
+    with trio.fail_after(10):  # the child writes its line as it exits
+        while "child" not in marker.read_text():
+            await trio.sleep(0.02)
     assert_group_gone(started["body"]["pgid"])
 
 
@@ -319,13 +331,6 @@ async def test_a_call_id_is_one_execution(session):
     assert again == call_id
     assert frame["body"]["ok"] is False and frame["body"]["error"]["code"] == "invalid_parameters"
     assert await read_all(session, call_id, "stdout") == b"one\n"
-
-
-async def test_no_command_starts_once_the_daemon_is_stopping(daemon, session):
-    daemon.supervisor.shell.stopping = True  # what stop_all sets first on SIGTERM
-    refused, _ = await run_collect(session, "echo never")
-    assert refused["ok"] is False and refused["error"]["code"] == "interrupted"
-    assert daemon.supervisor.store.call_record(refused["idempotency_key"]) is None  # key freed
 
 
 async def test_read_output_of_a_running_command(session):
