@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from protocol.headers import (
@@ -215,5 +215,33 @@ def test_arbitrary_header_lists_raise_nothing_but_routing_header_error(
     except RoutingHeaderError as error:
         assert error.header and error.reason
     else:
+        assert 1 <= parsed.generation <= MAX_SAFE_INTEGER
+        assert 0 <= parsed.event_ack <= MAX_SAFE_INTEGER
+
+
+# One draw per header (valid most of the time), so that every header's own value parser sees
+# arbitrary input; in the list-level test above, most inputs stop at a duplicate or a gap.
+_SHAPES = st.sampled_from(["valid"] * 6 + ["arbitrary"] * 3 + ["absent", "duplicated"])
+
+
+@pytest.mark.fuzz
+@fuzz_settings(500)
+@given(data=st.data())
+def test_each_header_value_is_parsed_or_refused_naming_its_header(data: st.DataObject) -> None:
+    headers: list[tuple[bytes, bytes]] = []
+    for name, value in header_list():
+        shape = data.draw(_SHAPES)
+        if shape == "absent":
+            continue
+        headers.append((name, data.draw(_values) if shape == "arbitrary" else value))
+        if shape == "duplicated":
+            headers.append((name, data.draw(_values)))
+    try:
+        parsed = parse_routing_headers(headers)
+    except RoutingHeaderError as error:
+        event(f"refused: {error.header}")
+        assert error.header and error.reason
+    else:
+        event("parsed")
         assert 1 <= parsed.generation <= MAX_SAFE_INTEGER
         assert 0 <= parsed.event_ack <= MAX_SAFE_INTEGER
