@@ -330,8 +330,12 @@ class ShellRuntime:
                     log.warning("process.scan_failed", error=exc.strerror)
                     continue
                 for command in candidates:
+                    # The scan is not atomic (a member may fork and exit while it runs), so
+                    # an absent group is confirmed with killpg(pgid, 0), which is: cheap when
+                    # the group is gone (ESRCH), a closer look only when it is not.
                     if command.pgid not in live and command in self._lingering:
-                        self._forget(command)
+                        if not processes.group_alive(command.pgid):
+                            self._forget(command)
         finally:
             self._sweeping = False
 
