@@ -150,6 +150,12 @@ class Supervisor:
             self.stop = StopRequest(exit_code, reason)
             self.stop_requested.set()
 
+    def holds_fence(self, conn: Connection) -> bool:
+        """The socket is the authoritative one and its generation is the fenced one: only
+        then may its frames act (PROTOCOL 4). A newer upgrade that passed the gate moves the
+        fence even when its handshake fails and supersedes nobody."""
+        return self.hub.is_authoritative(conn) and conn.generation == self.fence_generation
+
     def terminate(self, code: str, message: str) -> None:
         """A bootstrap was rejected: refuse everything from now on, durably, and exit 78."""
         try:
@@ -378,7 +384,7 @@ class Supervisor:
         ):
             conn.request_close(sessions.CLOSE_POLICY_VIOLATION, sessions.BOOTSTRAP_MISMATCH_REASON)
             return
-        if not (self.hub.is_authoritative(conn) and conn.generation == self.fence_generation):
+        if not self.holds_fence(conn):
             # A newer upgrade passed the gate while this socket was silent (its own 101 may
             # never have completed, so nothing superseded this one yet): a fenced-out attempt
             # must not bind the session, nor terminate it with a mismatched body.

@@ -7,11 +7,12 @@ one path and nothing can be skipped or reordered at the seam between them.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from supervisor.store import StateStore
+from supervisor.store import StateStore, take_within
 
 
 RECENT_FRAMES = 1024
@@ -45,14 +46,8 @@ class Journal:
         # retained event is replayed from there, the same whichever path serves it.
         if recent and max(recent[0][0], self.pruned_through + 1) <= seq + 1 <= recent[-1][0]:
             start = seq + 1 - recent[0][0]
-            rows: list[tuple[int, str]] = []
-            gathered = 0
-            for i in range(start, min(start + limit, len(recent))):
-                rows.append(recent[i])
-                gathered += len(recent[i][1])
-                if max_chars is not None and gathered >= max_chars:
-                    break
-            return rows
+            window = itertools.islice(recent, start, start + limit)
+            return list(window) if max_chars is None else take_within(window, max_chars)
         return self.store.events_after(seq, limit, max_chars)
 
     def acknowledge(self, seq: int) -> int:

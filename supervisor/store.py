@@ -13,7 +13,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,14 +341,7 @@ class StateStore:
             )
             if max_chars is None:
                 return cursor.fetchall()
-            rows: list[tuple[int, str]] = []
-            gathered = 0
-            for row in cursor:  # sqlite steps row by row: the rest is never read
-                rows.append(row)
-                gathered += len(row[1])
-                if gathered >= max_chars:
-                    break
-            return rows
+            return take_within(cursor, max_chars)  # sqlite steps row by row: the rest is never read
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -585,6 +578,19 @@ class StateStore:
         )
         _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
         return [(seq, frame_json) for seq, _, frame_json, _ in rows]
+
+
+def take_within(rows: Iterable[tuple[int, str]], max_chars: int) -> list[tuple[int, str]]:
+    """(seq, frame) rows in order until `max_chars` characters of frames are gathered (the
+    row that reaches it included, so a batch always holds at least one row)."""
+    taken: list[tuple[int, str]] = []
+    gathered = 0
+    for row in rows:
+        taken.append(row)
+        gathered += len(row[1])
+        if gathered >= max_chars:
+            break
+    return taken
 
 
 def _read_meta(conn: sqlite3.Connection, *keys: str) -> dict[str, str]:

@@ -60,10 +60,26 @@ async def apply_file_patch(running: RunningCall, runner: CallRunner) -> dict[str
 def read_file_now(running: RunningCall, runner: CallRunner) -> dict[str, Any] | None:
     """read_file's fast path, run by the CallRunner in the socket's own task: the result of a
     small file at once (or its typed failure), None for a file worth a worker thread."""
+    target, params = _read_target(running)
+    return _read_if_small(target, params)
+
+
+async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+    target, params = _read_target(running)
+    result = _read_if_small(target, params)  # the file shrank since the fast path passed it on
+    if result is not None:
+        return result
+    return await trio.to_thread.run_sync(read_file_result, target, params.path, params)
+
+
+def _read_target(running: RunningCall) -> tuple[Path, ReadFileParams]:
     params = running.call.parameters
     assert isinstance(params, ReadFileParams)
     ctx = running.context
-    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
+    return resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths), params
+
+
+def _read_if_small(target: Path, params: ReadFileParams) -> dict[str, Any] | None:
     try:
         size = os.stat(target).st_size
     except OSError:
@@ -71,17 +87,6 @@ def read_file_now(running: RunningCall, runner: CallRunner) -> dict[str, Any] | 
     if size <= INLINE_READ_MAX_BYTES:
         return read_file_result(target, params.path, params)
     return None
-
-
-async def read_file(running: RunningCall, runner: CallRunner) -> dict[str, Any]:
-    params = running.call.parameters
-    assert isinstance(params, ReadFileParams)
-    result = read_file_now(running, runner)
-    if result is not None:  # the file shrank since the fast path passed it on
-        return result
-    ctx = running.context
-    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
-    return await trio.to_thread.run_sync(read_file_result, target, params.path, params)
 
 
 def register(runner: CallRunner) -> None:

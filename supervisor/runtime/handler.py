@@ -106,9 +106,7 @@ class RuntimeHandler:
         )
 
     def _may_act(self, generation: int) -> bool:
-        if not (self.conn.attached and self.sup.hub.is_authoritative(self.conn)):
-            return False
-        return generation == self.conn.generation == self.sup.fence_generation
+        return self.conn.attached and generation == self.conn.generation and self.sup.holds_fence(self.conn)
 
     async def _ack(self, seq: int) -> None:
         try:
