@@ -22,7 +22,7 @@ from pathlib import Path
 import trio
 
 from bench.common import FRAME_TIMEOUT_S, CpuMeter, Driver, Mode, Result, daemon, key, now, require_ok, workspace
-from supervisor.runtime.spool import remove_spool, spool_dir
+from sandbox_supervisor.daemon.runtime.spool import remove_spool, spool_dir
 
 NAME = "big_output"
 TARGET = 0.7

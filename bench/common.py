@@ -24,8 +24,8 @@ from typing import Any
 import trio
 import trio_websocket
 
-from testing.client import ControlClient, ControlSession, Endpoint, open_websocket
-from testing.daemon import DaemonLayout, DaemonProcess, RunningDaemon, make_layout
+from sandbox_supervisor.testing.client import ControlClient, ControlSession, Endpoint, open_websocket
+from sandbox_supervisor.testing.daemon import DaemonLayout, DaemonProcess, RunningDaemon, make_layout
 
 BENCH_DIR = Path(__file__).resolve().parent
 FLOOR_SERVER = BENCH_DIR / "floor_server.py"
@@ -187,7 +187,7 @@ def echo_text(frame: dict) -> str:
 
 @asynccontextmanager
 async def daemon(root: Path, **settings: dict[str, Any]) -> AsyncIterator[tuple[DaemonProcess, RunningDaemon]]:
-    """`python -m supervisor serve` on fresh directories under `root` (as in production:
+    """`python -m sandbox_supervisor.daemon serve` on fresh directories under `root` (as in production:
     its own process and event loop); SIGTERM on leaving."""
     layout = make_layout(root, **settings)
     process = DaemonProcess(layout)

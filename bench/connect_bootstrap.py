@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from bench.common import CpuMeter, Mode, Result, daemon, echo, echo_text, floor_server, now, premint, time_ratio_result, workspace
-from testing.client import default_bootstrap_body
+from sandbox_supervisor.testing.client import default_bootstrap_body
 
 NAME = "connect_bootstrap"
 TARGET = 2.5

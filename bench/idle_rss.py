@@ -1,6 +1,6 @@
 """7. Idle RSS of the daemon process, against a bare Python importing the same libraries.
 
-Daemon: `python -m supervisor serve` started, one connection bootstrapped (and closed), then
+Daemon: `python -m sandbox_supervisor.daemon serve` started, one connection bootstrapped (and closed), then
 VmRSS from /proc/PID/status after a short settle.
 
 Floor: a fresh Python (the same interpreter) that imports the seven libraries the daemon

@@ -23,8 +23,8 @@ from pathlib import Path
 import trio
 
 from bench.common import FRAME_TIMEOUT_S, CpuMeter, Mode, Result, daemon, floor_server, now, premint, time_ratio_result, workspace
-from supervisor.store import DB_FILENAME, StateStore
-from testing.daemon import DaemonProcess
+from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore
+from sandbox_supervisor.testing.daemon import DaemonProcess
 
 NAME = "replay"
 TARGET = 2.0

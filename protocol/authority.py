@@ -20,8 +20,8 @@ from joserfc.errors import BadSignatureError, JoseError
 from joserfc.jwk import ECKey, KeySet
 from pydantic import Field, StringConstraints, ValidationError, field_validator
 
-from protocol.fields import MAX_PATH_CHARS, Scope, StrictModel
-from protocol.headers import RoutingHeaders
+from sandbox_supervisor.protocol.fields import MAX_PATH_CHARS, Scope, StrictModel
+from sandbox_supervisor.protocol.headers import RoutingHeaders
 
 __all__ = [
     "DEFAULT_AUDIENCE",

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
-from protocol.fields import (
+from sandbox_supervisor.protocol.fields import (
     MAX_ENV_ENTRIES,
     MAX_PATH_CHARS,
     EnvMap,

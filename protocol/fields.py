@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from protocol.headers import ID_PATTERN, MAX_SAFE_INTEGER
+from sandbox_supervisor.protocol.headers import ID_PATTERN, MAX_SAFE_INTEGER
 
 
 class StrictModel(BaseModel):

@@ -25,9 +25,9 @@ from pydantic import (
     model_validator,
 )
 
-from protocol.bootstrap import BootstrapBody
-from protocol.errors import INVALID_FRAME, UNKNOWN_KIND
-from protocol.fields import (
+from sandbox_supervisor.protocol.bootstrap import BootstrapBody
+from sandbox_supervisor.protocol.errors import INVALID_FRAME, UNKNOWN_KIND
+from sandbox_supervisor.protocol.fields import (
     CallId,
     Count,
     Generation,
@@ -39,7 +39,7 @@ from protocol.fields import (
     StrictModel,
     optional_field,
 )
-from protocol.tools import is_call_id
+from sandbox_supervisor.protocol.tools import is_call_id
 
 # --- kinds ---
 SESSION_BOOTSTRAP = "session.bootstrap"

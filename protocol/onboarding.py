@@ -13,10 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, StringConstraints
 
-from protocol.bootstrap import PROFILE_PATTERN
-from protocol.fields import StrictModel
-from protocol.headers import MAX_SAFE_INTEGER
-from protocol.tools import GIT_SHA_PATTERN
+from sandbox_supervisor.protocol.bootstrap import PROFILE_PATTERN
+from sandbox_supervisor.protocol.fields import StrictModel
+from sandbox_supervisor.protocol.headers import MAX_SAFE_INTEGER
+from sandbox_supervisor.protocol.tools import GIT_SHA_PATTERN
 
 __all__ = [
     "COMPONENT_NAME_PATTERN",

@@ -1,7 +1,7 @@
 """Export the protocol's JSON Schemas to protocol/schemas/ (or check that they are current).
 
-    python -m protocol.schema_export            # (re)write protocol/schemas/*.json
-    python -m protocol.schema_export --check    # exit 1 and list drifted files
+    python -m sandbox_supervisor.protocol.schema_export            # (re)write protocol/schemas/*.json
+    python -m sandbox_supervisor.protocol.schema_export --check    # exit 1 and list drifted files
 
 The models are the source of truth; the files are for control planes in other languages.
 `render_schemas` is pure; only `main` touches the file system (this module is a tool that
@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from protocol import authority, bootstrap, frames, onboarding, tools
+from sandbox_supervisor.protocol import authority, bootstrap, frames, onboarding, tools
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "schemas"
@@ -101,7 +101,7 @@ def write_schemas(out_dir: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m protocol.schema_export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sandbox_supervisor.protocol.schema_export", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if a file differs")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     args = parser.parse_args(argv)
@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in drifted:
             print(f"drifted: {args.out_dir / name}", file=sys.stderr)
         if drifted:
-            print("run: python -m protocol.schema_export", file=sys.stderr)
+            print("run: python -m sandbox_supervisor.protocol.schema_export", file=sys.stderr)
         return 1 if drifted else 0
     write_schemas(args.out_dir)
     return 0

@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, StringConstraints, TypeAdapter, ValidationError
 
-from protocol.errors import INVALID_FRAME, INVALID_PARAMETERS
-from protocol.fields import (
+from sandbox_supervisor.protocol.errors import INVALID_FRAME, INVALID_PARAMETERS
+from sandbox_supervisor.protocol.fields import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     NO_NUL_PATTERN,
     UUID_PATTERN,

@@ -1,5 +1,5 @@
-"""`python -m supervisor`: the same entry point as the `sandbox-supervisor` script."""
+"""`python -m sandbox_supervisor.daemon`: the same entry point as the `sandbox-supervisor` script."""
 
-from supervisor.cli import main
+from sandbox_supervisor.daemon.ops.cli import main
 
 raise SystemExit(main())

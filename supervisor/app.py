@@ -21,10 +21,10 @@ import structlog
 import trio
 import trio_websocket
 
-from protocol import PROTOCOL_VERSION, errors
-from protocol.authority import AuthorityError, JwksError, VerifierSettings, verify_assertion
-from protocol.bootstrap import BootstrapBody, bootstrap_digest
-from protocol.frames import (
+from sandbox_supervisor.protocol import PROTOCOL_VERSION, errors
+from sandbox_supervisor.protocol.authority import AuthorityError, JwksError, VerifierSettings, verify_assertion
+from sandbox_supervisor.protocol.bootstrap import BootstrapBody, bootstrap_digest
+from sandbox_supervisor.protocol.frames import (
     BootstrapRejectedFrame,
     ExecOutputPageFrame,
     ExecSignalFrame,
@@ -34,24 +34,25 @@ from protocol.frames import (
     decode_client_frame,
     encode_frame,
 )
-from supervisor import http_front, sessions
-from supervisor.binding import BindRejected, decide_binding
-from supervisor.config import SupervisorConfig
-from supervisor.gate import Admit, GateState, Lifecycle, Refuse, decide_upgrade, refuse
-from supervisor.identity import SandboxIdentity
-from supervisor.keyring import KeyRing
-from supervisor.logs import configure_logging, safe_log
-from supervisor.activation import ActivationError, open_daemon_listeners
-from supervisor.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
-from supervisor.journal import Journal
-from supervisor.runtime.calls import CallRunner, error_frame
-from supervisor.runtime.handler import RuntimeHandler
-from supervisor.runtime.recovery import recover_pending_calls
-from supervisor.runtime.sender import SocketSender
-from supervisor.runtime.shell import ShellRuntime, ShellSettings
-from supervisor.server import BoundListeners, remove_unix_paths, serve
-from supervisor.sessions import Connection, SessionHub
-from supervisor.store import StateStore, StoreError
+from sandbox_supervisor.daemon.edge import http_front
+from sandbox_supervisor.daemon.session import hub as sessions
+from sandbox_supervisor.daemon.session.binding import BindRejected, decide_binding
+from sandbox_supervisor.daemon.config import SupervisorConfig
+from sandbox_supervisor.daemon.auth.gate import Admit, GateState, Lifecycle, Refuse, decide_upgrade, refuse
+from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
+from sandbox_supervisor.daemon.auth.keyring import KeyRing
+from sandbox_supervisor.daemon.ops.logs import configure_logging, safe_log
+from sandbox_supervisor.daemon.edge.activation import ActivationError, open_daemon_listeners
+from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.runtime.calls import CallRunner, error_frame
+from sandbox_supervisor.daemon.runtime.handler import RuntimeHandler
+from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
+from sandbox_supervisor.daemon.session.sender import SocketSender
+from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
+from sandbox_supervisor.daemon.edge.server import BoundListeners, remove_unix_paths, serve
+from sandbox_supervisor.daemon.session.hub import Connection, SessionHub
+from sandbox_supervisor.daemon.state.store import StateStore, StoreError
 
 log = structlog.get_logger("supervisor")
 
@@ -127,7 +128,7 @@ class Supervisor:
         self.telemetry = None
         if ws.metrics_enabled:
             # Imported only when enabled: prometheus_client costs ~2 MiB of an idle daemon.
-            from supervisor import metrics
+            from sandbox_supervisor.daemon.ops import metrics
 
             self.telemetry = metrics.SupervisorMetrics()
             self.accepted_label = metrics.UPGRADE_ACCEPTED
@@ -590,7 +591,7 @@ async def run_supervisor(
 
 
 def build_call_runner(sup: Supervisor, nursery: trio.Nursery) -> CallRunner:
-    from supervisor.runtime import file_tools
+    from sandbox_supervisor.daemon.runtime import file_tools
 
     runner = CallRunner(sup.store, sup.journal, nursery, telemetry=sup.telemetry)
     file_tools.register(runner)

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
 
-from protocol.authority import DEFAULT_AUDIENCE
+from sandbox_supervisor.protocol.authority import DEFAULT_AUDIENCE
 
 __all__ = [
     "ALL_SCOPES",

@@ -19,9 +19,9 @@ import h11
 import trio
 import trio_websocket
 
-from protocol import headers as H
-from testing._groups import single_leaf
-from testing.authority import LoopbackAuthority
+from sandbox_supervisor.protocol import headers as H
+from sandbox_supervisor.testing._groups import single_leaf
+from sandbox_supervisor.testing.authority import LoopbackAuthority
 
 DEFAULT_CONTROL_PATH = "/v1/control"
 CONNECT_TIMEOUT_S = 10.0

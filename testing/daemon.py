@@ -1,5 +1,5 @@
 """Start a real supervisor on temporary directories: in-process (fast, same trio loop) or as
-a subprocess through the CLI (`python -m supervisor serve --config …`, as users start it).
+a subprocess through the CLI (`python -m sandbox_supervisor.daemon serve --config …`, as users start it).
 
 Both use the same on-disk layout: a state dir, a workspace, a sandbox-id file, a JWKS file
 from a `LoopbackAuthority`, a unix socket and a TCP port 0 on loopback.
@@ -20,9 +20,9 @@ from typing import Any
 
 import trio
 
-from testing._groups import single_leaf
-from testing.authority import LoopbackAuthority
-from testing.client import ControlClient, Endpoint
+from sandbox_supervisor.testing._groups import single_leaf
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.client import ControlClient, Endpoint
 
 DEFAULT_SANDBOX_ID = "sbx-test-0001"
 START_TIMEOUT_S = 20.0
@@ -79,7 +79,7 @@ class DaemonLayout:
         return config
 
     def config(self):
-        from supervisor.config import SupervisorConfig
+        from sandbox_supervisor.daemon.config import SupervisorConfig
 
         return SupervisorConfig.model_validate(self.config_dict())
 
@@ -151,7 +151,7 @@ def _endpoints(state_dir: Path) -> tuple[Endpoint, Endpoint]:
 @asynccontextmanager
 async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon]:
     """Run the supervisor inside the caller's trio loop; stop it (exit 0) on leaving."""
-    from supervisor.app import EXIT_OK, run_supervisor
+    from sandbox_supervisor.daemon.app import EXIT_OK, run_supervisor
 
     result: dict[str, int] = {}
 
@@ -177,7 +177,7 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
 
 
 class DaemonProcess:
-    """`python -m supervisor serve` in a subprocess, with its stderr (the JSON log) in a file."""
+    """`python -m sandbox_supervisor.daemon serve` in a subprocess, with its stderr (the JSON log) in a file."""
 
     def __init__(self, layout: DaemonLayout, *, env: dict[str, str] | None = None) -> None:
         self.layout = layout
@@ -194,7 +194,7 @@ class DaemonProcess:
         env.update(self.extra_env)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(config_file)],
+            [sys.executable, "-m", "sandbox_supervisor.daemon", "serve", "--config", str(config_file)],
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,

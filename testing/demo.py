@@ -1,6 +1,6 @@
 """`sandbox-supervisor demo`: one whole session against a real daemon, narrated.
 
-The daemon is started as users start it (`python -m supervisor serve --config …`, a
+The daemon is started as users start it (`python -m sandbox_supervisor.daemon serve --config …`, a
 subprocess) on temporary directories, with a freshly generated test authority; the
 reference client plays the control plane.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import trio
 
-from testing.authority import LoopbackAuthority
-from testing.client import UpgradeRejected
-from testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.client import UpgradeRejected
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 ZERO = "0" * 40
 
@@ -191,3 +191,7 @@ async def run_demo(root: Path, out=sys.stdout) -> int:
 def main(args=None) -> int:
     with tempfile.TemporaryDirectory(prefix="sandbox-supervisor-demo-") as tmp:
         return trio.run(run_demo, Path(tmp) / "demo")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from testing.authority import LoopbackAuthority
-from testing.daemon import DaemonLayout, in_process_daemon, make_layout
-from supervisor.logs import configure_logging
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout
+from sandbox_supervisor.daemon.ops.logs import configure_logging
 
 # Tests read the daemon's decisions from frames and HTTP answers; keep the log quiet.
 configure_logging("error", "json")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.activation import (
+from sandbox_supervisor.daemon.edge.activation import (
     LISTEN_ENV,
     ActivationError,
     InheritedSocket,
@@ -32,15 +32,15 @@ from supervisor.activation import (
     split_addresses,
     to_trio_listeners,
 )
-from testing.activation import (
+from sandbox_supervisor.testing.activation import (
     exit_status,
     listening_tcp_socket,
     listening_unix_socket,
     spawn_with_sockets,
     wait_exit,
 )
-from testing.client import Endpoint, http_request
-from testing.daemon import LISTENING_FILE, make_layout
+from sandbox_supervisor.testing.client import Endpoint, http_request
+from sandbox_supervisor.testing.daemon import LISTENING_FILE, make_layout
 
 FREE_FD_SEARCH_START = 200
 DAEMON_START_TIMEOUT_S = 20.0
@@ -292,7 +292,7 @@ def test_other_families_are_refused(tmp_path: Path) -> None:
 
 CHILD_REPORT = """
 import fcntl, json, os, subprocess, sys
-from supervisor.activation import inherited_sockets
+from sandbox_supervisor.daemon.edge.activation import inherited_sockets
 found = inherited_sockets()
 grandchild_env = subprocess.run(
     [sys.executable, "-c", "import os, json; print(json.dumps(sorted(k for k in os.environ if k.startswith('LISTEN_'))))"],
@@ -351,7 +351,7 @@ def test_a_child_that_merely_inherits_the_variables_ignores_them(tmp_path: Path)
     # LISTEN_PID names our pid, not the child's: the child must not treat its fds as passed.
     env = {**_child_env(), "LISTEN_PID": str(os.getpid()), "LISTEN_FDS": "1"}
     completed = subprocess.run(
-        [sys.executable, "-c", "from supervisor.activation import inherited_sockets as f; "
+        [sys.executable, "-c", "from sandbox_supervisor.daemon.edge.activation import inherited_sockets as f; "
          "import os; print(f(), sorted(k for k in os.environ if k.startswith('LISTEN_')))"],
         env=env,
         capture_output=True,
@@ -404,7 +404,7 @@ async def test_daemon_serves_on_sockets_passed_by_systemd(tmp_path: Path, author
     }
     with open(log_path, "wb") as log:
         pid = spawn_with_sockets(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(config_file)],
+            [sys.executable, "-m", "sandbox_supervisor.daemon", "serve", "--config", str(config_file)],
             [unix, tcp],
             ["control-unix", "control-tcp"],
             env,

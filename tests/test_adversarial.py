@@ -10,9 +10,9 @@ import random
 import pytest
 import trio
 
-from testing.authority import LoopbackAuthority
-from testing.client import UpgradeRejected, http_request
-from testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.client import UpgradeRejected, http_request
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 FD_SETTLE_S = 10.0
 VALID_HEAD = (

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from joserfc.jwk import KeySet
 
-from protocol.authority import (
+from sandbox_supervisor.protocol.authority import (
     SCOPES,
     AssertionClaims,
     AuthorityError,
@@ -24,8 +24,8 @@ from protocol.authority import (
     load_jwks,
     verify_assertion,
 )
-from protocol.headers import RoutingHeaders
-from testing.authority import (
+from sandbox_supervisor.protocol.headers import RoutingHeaders
+from sandbox_supervisor.testing.authority import (
     OMIT,
     LoopbackAuthority,
     combine_jwks,
@@ -38,7 +38,7 @@ from testing.authority import (
     strip_kid,
     tamper_payload,
 )
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 NOW = 1_700_000_000
 LEEWAY = 30

@@ -8,9 +8,9 @@ import json
 import pytest
 import trio
 
-from supervisor.gate import Lifecycle
-from testing.client import BootstrapRejected, default_bootstrap_body, http_request
-from testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from sandbox_supervisor.daemon.auth.gate import Lifecycle
+from sandbox_supervisor.testing.client import BootstrapRejected, default_bootstrap_body, http_request
+from sandbox_supervisor.testing.daemon import DaemonProcess, in_process_daemon, make_layout
 
 EXPECTED_BOOTSTRAP = (1002, "Expected session bootstrap as first frame.")
 MISMATCH = (1008, "Bootstrap does not match upgrade headers.")

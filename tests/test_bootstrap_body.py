@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from protocol.bootstrap import (
+from sandbox_supervisor.protocol.bootstrap import (
     MAX_ENV_ENTRIES,
     MAX_REPOSITORIES,
     NORMALISED_ABSOLUTE_PATTERN,

@@ -1,4 +1,4 @@
-"""keys generate / keys mint, and the CLI's dispatch of serve, demo and onboard-template."""
+"""keys generate / keys mint, and the CLI's dispatch of serve and onboard-template."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from joserfc import jwt
 from joserfc.jwk import KeySet
 
-from supervisor import cli
-from supervisor.keys import (
+from sandbox_supervisor.daemon.ops import cli
+from sandbox_supervisor.daemon.ops.keys import (
     JWKS_FILENAME,
     SIGNING_KEY_FILENAME,
     KeyFileError,
@@ -142,7 +142,7 @@ def test_minted_token_verifies_with_the_generated_jwks(
 def test_minted_token_is_accepted_by_protocol_load_jwks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from protocol import authority  # the daemon's verifier
+    from sandbox_supervisor.protocol import authority  # the daemon's verifier
     key_path, jwks_path = generate(tmp_path)
     keys = authority.load_jwks(jwks_path.read_bytes())
     token = mint(capsys, key_path, {"iss": "x"})
@@ -210,7 +210,7 @@ def test_load_signing_jwk_refuses_public_and_mismatched_keys(tmp_path: Path) -> 
 
 def test_keys_commands_work_as_a_module(tmp_path: Path) -> None:
     run = lambda *a: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "supervisor", *a], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "sandbox_supervisor.daemon", *a], capture_output=True, text=True, timeout=60
     )
     out = tmp_path / "k"
     assert run("keys", "generate", "--out-dir", str(out)).returncode == 0
@@ -231,9 +231,9 @@ def test_serve_passes_the_overridden_config_to_serve_main(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen = []
-    fake_app = types.ModuleType("supervisor.app")
+    fake_app = types.ModuleType("sandbox_supervisor.daemon.app")
     fake_app.serve_main = lambda config: seen.append(config) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "supervisor.app", fake_app)
+    monkeypatch.setitem(sys.modules, "sandbox_supervisor.daemon.app", fake_app)
     path = write_config(tmp_path)
     code = cli.main(["serve", "--config", str(path), "--listen-tcp", "127.0.0.1:0",
                      "--state-dir", str(tmp_path / "state")])
@@ -245,18 +245,18 @@ def test_serve_passes_the_overridden_config_to_serve_main(
 
 
 def test_serve_returns_serve_main_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_app = types.ModuleType("supervisor.app")
+    fake_app = types.ModuleType("sandbox_supervisor.daemon.app")
     fake_app.serve_main = lambda config: cli.EXIT_TERMINATED  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "supervisor.app", fake_app)
+    monkeypatch.setitem(sys.modules, "sandbox_supervisor.daemon.app", fake_app)
     assert cli.main(["serve", "--config", str(write_config(tmp_path))]) == 78
 
 
 def test_serve_with_bad_config_prints_problems_and_exits_2_without_starting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake_app = types.ModuleType("supervisor.app")
+    fake_app = types.ModuleType("sandbox_supervisor.daemon.app")
     fake_app.serve_main = lambda config: pytest.fail("serve_main ran")  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "supervisor.app", fake_app)
+    monkeypatch.setitem(sys.modules, "sandbox_supervisor.daemon.app", fake_app)
     for name in list(os.environ):
         if name.startswith("SANDBOX_SUPERVISOR_"):
             monkeypatch.delenv(name)
@@ -270,13 +270,6 @@ def test_serve_with_bad_config_prints_problems_and_exits_2_without_starting(
 
 def test_serve_rejects_a_bad_log_format_as_an_argument_error() -> None:
     assert cli.main(["serve", "--log-format", "xml"]) == 2
-
-
-def test_demo_dispatches_to_demo_main(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_demo = types.ModuleType("supervisor.demo")
-    fake_demo.main = lambda args: 0 if args.command == "demo" else 1  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "supervisor.demo", fake_demo)
-    assert cli.main(["demo"]) == 0
 
 
 def test_onboard_template_without_its_flags_exits_2_and_stores_nothing(

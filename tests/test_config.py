@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.cli import build_parser, build_serve_overrides
-from supervisor.config import (
+from sandbox_supervisor.daemon.ops.cli import build_parser, build_serve_overrides
+from sandbox_supervisor.daemon.config import (
     DEFAULT_BASE_ENV,
     MASK,
     ConfigError,
@@ -19,7 +19,7 @@ from supervisor.config import (
     masked_dict,
     parse_host_port,
 )
-from supervisor.keys import write_key_pair
+from sandbox_supervisor.daemon.ops.keys import write_key_pair
 
 REQUIRED_ENV = {
     "SANDBOX_SUPERVISOR_AUTHORITY__ISSUER": "https://control-plane.test",
@@ -273,8 +273,8 @@ def test_empty_listen_lists_load_for_socket_activation() -> None:
 
 
 async def test_daemon_with_no_listener_at_all_exits_2(tmp_path: Path) -> None:
-    from testing.authority import LoopbackAuthority
-    from testing.daemon import DaemonProcess, make_layout
+    from sandbox_supervisor.testing.authority import LoopbackAuthority
+    from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
     layout = make_layout(tmp_path / "d", authority=LoopbackAuthority(), listen={"tcp": [], "unix": []})
     process = DaemonProcess(layout)
@@ -305,7 +305,7 @@ def test_masked_dict_masks_secret_names_but_not_jwks_file() -> None:
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", *args],
+        [sys.executable, "-m", "sandbox_supervisor.daemon", *args],
         capture_output=True, text=True, env=env if env is not None else clean_env(), timeout=60,
     )
 
@@ -347,8 +347,8 @@ def test_the_images_build_sha_variable_is_not_a_config_override() -> None:
     """operations.md's Dockerfile sets the build commit in the image's environment; serve and
     check-config inherit it, so it must not fall under the override prefix, where an
     unknown name is an error."""
-    from supervisor.config import ENV_PREFIX
-    from supervisor.onboarding import BUILD_SHA_ENV
+    from sandbox_supervisor.daemon.config import ENV_PREFIX
+    from sandbox_supervisor.daemon.ops.onboarding import BUILD_SHA_ENV
 
     assert not BUILD_SHA_ENV.startswith(ENV_PREFIX)
     config = load_config(None, env={**REQUIRED_ENV, BUILD_SHA_ENV: "a" * 40})
@@ -363,8 +363,8 @@ def test_every_configurable_log_level_filters_as_named() -> None:
 
     import structlog
 
-    from supervisor.config import LogLevel
-    from supervisor.logs import LEVELS, configure_logging
+    from sandbox_supervisor.daemon.config import LogLevel
+    from sandbox_supervisor.daemon.ops.logs import LEVELS, configure_logging
 
     assert set(LEVELS) == set(get_args(LogLevel))
     stream = io.StringIO()

@@ -1,14 +1,15 @@
-"""`sandbox-supervisor demo` runs as a new user runs it, and shows what it promises."""
+"""`sandbox-supervisor-demo` runs as a new user runs it, and shows what it promises."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_demo_runs_a_whole_session_and_exits_0():
     completed = subprocess.run(
-        [sys.executable, "-m", "supervisor", "demo"], capture_output=True, text=True, timeout=120
+        [str(Path(sys.executable).parent / "sandbox-supervisor-demo")], capture_output=True, text=True, timeout=120
     )
     assert completed.returncode == 0, completed.stderr
     out = completed.stdout

@@ -13,10 +13,10 @@ import sqlite3
 import trio
 import trio_websocket
 
-from supervisor.store import DB_FILENAME
-from testing.client import UpgradeRejected
-from testing.daemon import DaemonProcess, make_layout
-from supervisor.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
+from sandbox_supervisor.daemon.state.store import DB_FILENAME
+from sandbox_supervisor.testing.client import UpgradeRejected
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.daemon.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
 RETRIES = 3

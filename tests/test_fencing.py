@@ -9,8 +9,8 @@ import pytest
 import trio
 import trio_websocket
 
-from testing.client import UpgradeRejected
-from testing.daemon import in_process_daemon
+from sandbox_supervisor.testing.client import UpgradeRejected
+from sandbox_supervisor.testing.daemon import in_process_daemon
 
 SUPERSEDED = (1008, "Connection attempt was superseded.")
 
@@ -165,7 +165,7 @@ def test_connection_admitted_earlier_never_supersedes_a_later_one():
     authoritative even if the earlier one's 101 completes after it."""
     from types import SimpleNamespace
 
-    from supervisor.sessions import Connection, SessionHub
+    from sandbox_supervisor.daemon.session.hub import Connection, SessionHub
 
     def conn(admission, generation):
         headers = SimpleNamespace(generation=generation)

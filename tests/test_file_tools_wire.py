@@ -8,7 +8,7 @@ import difflib
 import os
 
 import pytest
-from supervisor.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
+from sandbox_supervisor.daemon.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
 

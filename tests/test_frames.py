@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from protocol import PROTOCOL_VERSION
-from protocol.errors import INVALID_FRAME, UNKNOWN_KIND
-from protocol.frames import (
+from sandbox_supervisor.protocol import PROTOCOL_VERSION
+from sandbox_supervisor.protocol.errors import INVALID_FRAME, UNKNOWN_KIND
+from sandbox_supervisor.protocol.frames import (
     CLIENT_KINDS,
     BootstrapRejectedBody,
     BootstrapRejectedFrame,
@@ -48,8 +48,8 @@ from protocol.frames import (
     decode_server_frame,
     encode_frame,
 )
-from protocol.headers import MAX_SAFE_INTEGER
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.protocol.headers import MAX_SAFE_INTEGER
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 CALL_ID = "6f1c2a0e-8d4b-4c1e-9a57-0b7e3f2d1c44"
 

@@ -16,7 +16,7 @@ import trio
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from supervisor.http_front import (
+from sandbox_supervisor.daemon.edge.http_front import (
     HeadReader,
     HeadTooLarge,
     MalformedHead,
@@ -24,10 +24,10 @@ from supervisor.http_front import (
     RoutePaths,
     classify,
 )
-from supervisor.store import DB_FILENAME
-from testing.client import Endpoint, UpgradeRejected, http_request
-from testing.daemon import DaemonProcess, in_process_daemon, make_layout
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.daemon.state.store import DB_FILENAME
+from sandbox_supervisor.testing.client import Endpoint, UpgradeRejected, http_request
+from sandbox_supervisor.testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 MAX_MESSAGE = 128 * 1024
 

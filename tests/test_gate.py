@@ -9,12 +9,12 @@ import time
 import pytest
 import trio
 
-from protocol import headers as H
-from supervisor.gate import Lifecycle
-from testing import authority as forge
-from testing.authority import OMIT, LoopbackAuthority, combine_jwks
-from testing.client import BootstrapRejected, UpgradeRejected
-from testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from sandbox_supervisor.protocol import headers as H
+from sandbox_supervisor.daemon.auth.gate import Lifecycle
+from sandbox_supervisor.testing import authority as forge
+from sandbox_supervisor.testing.authority import OMIT, LoopbackAuthority, combine_jwks
+from sandbox_supervisor.testing.client import BootstrapRejected, UpgradeRejected
+from sandbox_supervisor.testing.daemon import DaemonProcess, in_process_daemon, make_layout
 
 
 def endpoint_of(daemon, transport):

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import FORBIDDEN
-from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.guard import GuardRefusal, check_allowed, simple_command_names
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.protocol.errors import FORBIDDEN
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.guard import GuardRefusal, check_allowed, simple_command_names
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 NAMED = [
     # a dollar before a quote or bracket that is not ANSI-C quoting or arithmetic

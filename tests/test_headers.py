@@ -6,7 +6,7 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from protocol.headers import (
+from sandbox_supervisor.protocol.headers import (
     ATTEMPT_ID_HEADER,
     AUTHORITY_HEADER,
     EVENT_ACK_HEADER,
@@ -20,7 +20,7 @@ from protocol.headers import (
     RoutingHeaders,
     parse_routing_headers,
 )
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 VALID = {
     SANDBOX_ID_HEADER: "sbx-1",

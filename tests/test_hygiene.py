@@ -10,8 +10,8 @@ import re
 
 import trio
 
-from testing.client import http_request
-from testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.client import http_request
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 CANARY = "canary-7d1e0c9b"
 EVENT_NAME = re.compile(r"""(?:log|bound_log|self\.log)\.(?:info|warning|error|exception|debug)\(\s*"([a-z_.-]+)"|safe_log\(\s*log,\s*"([a-z_.-]+)\"""")
@@ -69,7 +69,7 @@ async def test_canary_never_reaches_logs_frames_or_health(tmp_path, authority):
 
 
 async def test_commands_do_not_inherit_the_daemons_oom_protection(tmp_path, authority):
-    from supervisor.oom import COMMAND_OOM_SCORE_ADJ, read_oom_score_adj
+    from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ, read_oom_score_adj
 
     layout = make_layout(tmp_path / "d", authority=authority)
     process = DaemonProcess(layout)

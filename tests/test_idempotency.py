@@ -6,9 +6,9 @@ import uuid
 
 import trio
 
-from supervisor.runtime.calls import Outcome, idempotency_outcome
-from supervisor.store import CallRecord
-from supervisor.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
+from sandbox_supervisor.daemon.runtime.calls import Outcome, idempotency_outcome
+from sandbox_supervisor.daemon.state.store import CallRecord
+from sandbox_supervisor.daemon.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
 
@@ -190,11 +190,11 @@ async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(
 
     import trio.testing
 
-    from protocol.tools import TOOL_SCOPES
-    from supervisor.journal import Journal
-    from supervisor.runtime import file_tools
-    from supervisor.runtime.calls import MAX_CALLS_IN_FLIGHT, CallContext, CallRunner
-    from supervisor.store import StateStore
+    from sandbox_supervisor.protocol.tools import TOOL_SCOPES
+    from sandbox_supervisor.daemon.state.journal import Journal
+    from sandbox_supervisor.daemon.runtime import file_tools
+    from sandbox_supervisor.daemon.runtime.calls import MAX_CALLS_IN_FLIGHT, CallContext, CallRunner
+    from sandbox_supervisor.daemon.state.store import StateStore
 
     workspace = tmp_path / "ws"
     workspace.mkdir()
@@ -272,12 +272,12 @@ async def test_a_refusal_kept_unjournaled_frees_the_key_when_it_returns(tmp_path
 
     import trio.testing
 
-    from protocol.errors import TOO_MANY_PROCESSES
-    from protocol.tools import TOOL_SCOPES
-    from supervisor.journal import Journal
-    from supervisor.runtime.calls import CallContext, CallRunner
-    from supervisor.runtime.failures import ToolFailure
-    from supervisor.store import StateStore, StoreError
+    from sandbox_supervisor.protocol.errors import TOO_MANY_PROCESSES
+    from sandbox_supervisor.protocol.tools import TOOL_SCOPES
+    from sandbox_supervisor.daemon.state.journal import Journal
+    from sandbox_supervisor.daemon.runtime.calls import CallContext, CallRunner
+    from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+    from sandbox_supervisor.daemon.state.store import StateStore, StoreError
 
     busy = {"refuse": True}
 

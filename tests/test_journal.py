@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import trio
 
-from testing.daemon import in_process_daemon
+from sandbox_supervisor.testing.daemon import in_process_daemon
 
 
 async def make_events(session, count: int, path: str = "note.txt") -> list[str]:
@@ -132,8 +132,8 @@ async def test_client_that_stops_reading_does_not_block_producers(daemon):
 def test_frames_from_memory_match_the_store_including_pruning(tmp_path):
     """The sender's in-memory path and the sqlite path serve the same frames: same seqs,
     same bytes, and neither serves what an ack pruned."""
-    from supervisor.journal import RECENT_FRAMES, Journal
-    from supervisor.store import StateStore
+    from sandbox_supervisor.daemon.state.journal import RECENT_FRAMES, Journal
+    from sandbox_supervisor.daemon.state.store import StateStore
 
     with StateStore.open(tmp_path / "state") as store:
         journal = Journal(store)
@@ -152,8 +152,8 @@ def test_frames_from_memory_match_the_store_including_pruning(tmp_path):
 def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_path):
     """The in-memory window is cut by size as well as count, from the oldest end only (so
     it stays dense and agrees with the store), and acked frames leave it."""
-    from supervisor.journal import RECENT_MAX_CHARS, Journal
-    from supervisor.store import StateStore
+    from sandbox_supervisor.daemon.state.journal import RECENT_MAX_CHARS, Journal
+    from sandbox_supervisor.daemon.state.store import StateStore
 
     big = "\x01" * 65536  # ~393 KB once JSON-escaped, like a read_file page of control bytes
     with StateStore.open(tmp_path / "state") as store:
@@ -177,7 +177,7 @@ def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_pa
 async def test_large_results_do_not_pin_daemon_memory(tmp_path, authority):
     """300 read_file results of ~400 KB each (64 KiB of control bytes, escaped), read and
     acked by the client: the daemon's memory does not keep them."""
-    from testing.daemon import DaemonProcess, make_layout
+    from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
     layout = make_layout(tmp_path / "d", authority=authority)
     (layout.workspace / "control.bin").write_bytes(b"\x01" * 65536)

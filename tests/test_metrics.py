@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.metrics import CONTENT_TYPE, UPGRADE_ACCEPTED, SupervisorMetrics
+from sandbox_supervisor.daemon.ops.metrics import CONTENT_TYPE, UPGRADE_ACCEPTED, SupervisorMetrics
 
 
 def samples(metrics: SupervisorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -117,8 +117,8 @@ async def test_metrics_route_of_a_running_daemon(tmp_path, authority):
 
     import pytest as _pytest
 
-    from testing.client import UpgradeRejected, http_request
-    from testing.daemon import in_process_daemon, make_layout
+    from sandbox_supervisor.testing.client import UpgradeRejected, http_request
+    from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
     layout = make_layout(tmp_path / "d", authority=authority, websocket={"metrics_enabled": True})
     async with in_process_daemon(layout) as daemon:

@@ -10,8 +10,8 @@ import statistics
 
 import trio
 
-from testing.client import Endpoint, http_request
-from testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.client import Endpoint, http_request
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 WATCHDOG_USEC = 400_000  # pings expected every 0.2 s
 
@@ -95,7 +95,7 @@ async def test_no_ready_when_the_configuration_is_invalid(tmp_path, authority):
 
 
 async def test_terminated_daemon_reports_stopping_at_start(tmp_path, authority):
-    from supervisor.store import StateStore
+    from sandbox_supervisor.daemon.state.store import StateStore
 
     layout = make_layout(tmp_path / "d", authority=authority)
     with StateStore.open(layout.state_dir) as store:

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from protocol.onboarding import MAX_COMPONENTS, TemplateOnboarding, format_utc
-from protocol.schema_export import DEFAULT_OUT_DIR, EXPORTED
-from supervisor import onboarding
-from supervisor.onboarding import (
+from sandbox_supervisor.protocol.onboarding import MAX_COMPONENTS, TemplateOnboarding, format_utc
+from sandbox_supervisor.protocol.schema_export import DEFAULT_OUT_DIR, EXPORTED
+from sandbox_supervisor.daemon.ops import onboarding
+from sandbox_supervisor.daemon.ops.onboarding import (
     BUILD_SHA_ENV,
     RUNTIME_PACKAGES,
     build_sha,
@@ -33,7 +33,7 @@ from supervisor.onboarding import (
     sha256_file,
     tree_files,
 )
-from supervisor.onboarding_store import (
+from sandbox_supervisor.daemon.ops.onboarding_store import (
     STORE_FORMAT,
     JsonFileOnboardingStore,
     OnboardingStore,
@@ -194,9 +194,9 @@ def test_sha256_file_matches_hashlib(tmp_path: Path) -> None:
 
 def test_the_hashed_packages_are_the_distributions_and_are_imported_from_here() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert set(RUNTIME_PACKAGES) == {pattern.rstrip("*") for pattern in include}
-    assert package_directories()["supervisor"] == Path(onboarding.__file__).parent
+    mapped = pyproject["tool"]["setuptools"]["package-dir"]
+    assert set(RUNTIME_PACKAGES) == set(mapped)
+    assert package_directories()["sandbox_supervisor.daemon"] == Path(onboarding.__file__).parent.parent
 
 
 def test_dependency_versions_are_transitive_without_test_extras() -> None:
@@ -249,7 +249,7 @@ def cli_env() -> dict[str, str]:
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor", "onboard-template", *args],
+        [sys.executable, "-m", "sandbox_supervisor.daemon", "onboard-template", *args],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
@@ -289,7 +289,7 @@ def test_cli_takes_the_build_commit_from_the_environment(tmp_path: Path) -> None
     index = flags.index("--supervisor-sha")
     del flags[index : index + 2]
     completed = subprocess.run(
-        [sys.executable, "-m", "supervisor", "onboard-template", *flags],
+        [sys.executable, "-m", "sandbox_supervisor.daemon", "onboard-template", *flags],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
@@ -374,7 +374,7 @@ def test_cli_without_a_build_commit_says_how_to_give_one(tmp_path: Path) -> None
     del flags[index : index + 2]
     # Not a checkout we can trust here (the repo may have uncommitted work): force "no git".
     completed = subprocess.run(
-        [sys.executable, "-m", "supervisor", "onboard-template", *flags],
+        [sys.executable, "-m", "sandbox_supervisor.daemon", "onboard-template", *flags],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
@@ -449,8 +449,8 @@ def test_a_store_with_a_repeated_key_is_refused(tmp_path: Path) -> None:
 
 WRITER = """
 import sys
-from protocol.onboarding import TemplateOnboarding
-from supervisor.onboarding_store import JsonFileOnboardingStore
+from sandbox_supervisor.protocol.onboarding import TemplateOnboarding
+from sandbox_supervisor.daemon.ops.onboarding_store import JsonFileOnboardingStore
 path, template_prefix, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 base = TemplateOnboarding.model_validate_json(sys.argv[4])
 store = JsonFileOnboardingStore(path)
@@ -510,7 +510,7 @@ def test_an_upsert_waits_for_the_lock(tmp_path: Path) -> None:
 # Dies between writing (and fsyncing) the temporary file and renaming it over the store.
 KILLED_WRITER = """
 import os, sys, time
-from supervisor import onboarding_store
+from sandbox_supervisor.daemon.ops import onboarding_store
 def stop_before_rename(src, dst):
     print(src, flush=True)
     time.sleep(600)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.frames import ExecOutputBody, StreamSummary
-from supervisor.runtime.output import (
+from sandbox_supervisor.protocol.frames import ExecOutputBody, StreamSummary
+from sandbox_supervisor.daemon.runtime.output import (
     HEAD_TAIL_BYTES,
     LiveOutput,
     OutputChunk,

@@ -13,16 +13,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import (
+from sandbox_supervisor.protocol.errors import (
     BASE_SHA_MISMATCH,
     INVALID_PARAMETERS,
     PATCH_DOES_NOT_APPLY,
 )
-from protocol.frames import PatchResult, ToolError
-from protocol.tools import ApplyFilePatchParams
-from supervisor.runtime import patch as patch_module
-from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.patch import (
+from sandbox_supervisor.protocol.frames import PatchResult, ToolError
+from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
+from sandbox_supervisor.daemon.runtime import patch as patch_module
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.patch import (
     NEW_FILE_MODE,
     ZERO_SHA,
     DiffOutcome,
@@ -34,7 +34,7 @@ from supervisor.runtime.patch import (
     plan_patch,
     recover_patch,
 )
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 NO_NEWLINE = b"\\ No newline at end of file\n"
 
@@ -726,8 +726,8 @@ def test_a_crash_while_recovery_applies_an_unplanned_patch_is_recovered_as_appli
     new content and answer base_sha_mismatch)."""
     import json
 
-    from supervisor.runtime.file_tools import recover_patch_call
-    from supervisor.store import StateStore
+    from sandbox_supervisor.daemon.runtime.file_tools import recover_patch_call
+    from sandbox_supervisor.daemon.state.store import StateStore
 
     workspace = tmp_path / "ws"
     workspace.mkdir()

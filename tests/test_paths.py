@@ -9,14 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import INVALID_PARAMETERS, PATH_OUTSIDE_WORKSPACE
-from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.paths import (
+from sandbox_supervisor.protocol.errors import INVALID_PARAMETERS, PATH_OUTSIDE_WORKSPACE
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.paths import (
     PathOutsideWorkspace,
     _kernel_real_path,
     resolve_in_jail,
 )
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_a_symlink_loop_is_invalid(workspace):
 
 
 def test_the_error_object_validates_as_a_tool_error(workspace):
-    from protocol.frames import ToolError
+    from sandbox_supervisor.protocol.frames import ToolError
 
     failure = refused(workspace, "../x")
     error = ToolError.model_validate(failure.to_error())

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import INVALID_PARAMETERS, NOT_FOUND
-from protocol.frames import ReadFileResult
-from protocol.tools import MAX_READ_LENGTH, ReadFileParams
-from supervisor.runtime import files as files_module
-from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.files import read_file_result
-from supervisor.runtime.patch import git_blob_sha
+from sandbox_supervisor.protocol.errors import INVALID_PARAMETERS, NOT_FOUND
+from sandbox_supervisor.protocol.frames import ReadFileResult
+from sandbox_supervisor.protocol.tools import MAX_READ_LENGTH, ReadFileParams
+from sandbox_supervisor.daemon.runtime import files as files_module
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.files import read_file_result
+from sandbox_supervisor.daemon.runtime.patch import git_blob_sha
 
 
 def read(target, offset: int = 0, length: int | None = None) -> dict:
@@ -150,8 +150,8 @@ def test_ranges_across_read_chunks_are_exact(tmp_path_factory, data, offset, len
 def test_os_errors_become_typed_failures_with_the_systems_words():
     import errno as errno_module
 
-    from protocol.errors import INTERNAL
-    from supervisor.runtime.failures import os_failure
+    from sandbox_supervisor.protocol.errors import INTERNAL
+    from sandbox_supervisor.daemon.runtime.failures import os_failure
 
     denied = os_failure(PermissionError(errno_module.EACCES, "Permission denied"), "read")
     assert (denied.code, denied.message) == (INTERNAL, "The file could not be read: Permission denied.")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from testing.client import CallNotAnswered
-from testing.daemon import in_process_daemon, make_layout
+from sandbox_supervisor.testing.client import CallNotAnswered
+from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
 
 async def test_a_reused_call_id_gets_its_own_answer_not_the_earlier_result(daemon, session):

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from protocol import schema_export
-from protocol.schema_export import DEFAULT_OUT_DIR, EXPORTED, drifted_files, main, render_schemas
+from sandbox_supervisor.protocol import schema_export
+from sandbox_supervisor.protocol.schema_export import DEFAULT_OUT_DIR, EXPORTED, drifted_files, main, render_schemas
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_checked_in_schemas_match_the_models() -> None:
-    assert drifted_files(DEFAULT_OUT_DIR) == [], "run: python -m protocol.schema_export"
+    assert drifted_files(DEFAULT_OUT_DIR) == [], "run: python -m sandbox_supervisor.protocol.schema_export"
 
 
 def test_one_file_per_exported_model() -> None:
@@ -87,7 +87,7 @@ def test_writing_removes_files_no_longer_exported(tmp_path: Path) -> None:
 
 def test_module_entry_point_checks_the_repository() -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "protocol.schema_export", "--check"],
+        [sys.executable, "-m", "sandbox_supervisor.protocol.schema_export", "--check"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -11,9 +11,9 @@ import uuid
 
 import trio
 
-from supervisor.runtime.processes import group_members, read_stat
-from supervisor.runtime.spool import spool_dir
-from testing.daemon import in_process_daemon, make_layout
+from sandbox_supervisor.daemon.runtime.processes import group_members, read_stat
+from sandbox_supervisor.daemon.runtime.spool import spool_dir
+from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
 
 async def run(session, command: str, *, key: str | None = None, **params) -> dict:

@@ -10,9 +10,9 @@ import time
 
 import trio
 
-from supervisor.runtime.processes import group_members, kill_leftover_group, start_ticks
-from supervisor.runtime.spool import stream_path
-from testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.daemon.runtime.processes import group_members, kill_leftover_group, start_ticks
+from sandbox_supervisor.daemon.runtime.spool import stream_path
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 
 def rss_kib(pid: int, field: str = "VmRSS") -> int:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.runtime import spool as spool_module
-from supervisor.runtime.spool import (
+from sandbox_supervisor.daemon.runtime import spool as spool_module
+from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
     SpoolPage,
     SpoolWriter,
@@ -207,7 +207,7 @@ def test_the_end_survives_the_writer_process(tmp_path: Path) -> None:
     path = stream_path(tmp_path, CALL_ID, "stdout")
     script = (
         "import sys\n"
-        "from supervisor.runtime.spool import SpoolWriter\n"
+        "from sandbox_supervisor.daemon.runtime.spool import SpoolWriter\n"
         "w = SpoolWriter(sys.argv[1], 1 << 20)\n"
         "w.write(b'from another process\\n' * 1000)\n"
         "w.close()\n"
@@ -224,7 +224,7 @@ def test_bytes_survive_a_writer_killed_without_closing(tmp_path: Path) -> None:
     path = stream_path(tmp_path, CALL_ID, "stdout")
     script = (
         "import os, sys\n"
-        "from supervisor.runtime.spool import SpoolWriter\n"
+        "from sandbox_supervisor.daemon.runtime.spool import SpoolWriter\n"
         "w = SpoolWriter(sys.argv[1], 1 << 20)\n"
         "w.write(b'partial output')\n"
         "os._exit(137)\n"  # no close, no flush of anything in userspace

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.store import (
+from sandbox_supervisor.daemon.state.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
     AckAhead,
@@ -79,7 +79,7 @@ def test_a_newer_schema_is_refused(state_dir: Path) -> None:
 def test_a_version_1_journal_is_migrated_with_its_events_intact(state_dir: Path) -> None:
     """A daemon upgraded over a version-1 state database keeps every retained event, seq
     for seq and byte for byte, and journals on without the duplicated body column."""
-    from supervisor.store import _MIGRATIONS
+    from sandbox_supervisor.daemon.state.store import _MIGRATIONS
 
     state_dir.mkdir()
     conn = sqlite3.connect(state_dir / DB_FILENAME)
@@ -284,7 +284,7 @@ WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from supervisor.store import StateStore
+    from sandbox_supervisor.daemon.state.store import StateStore
 
     store = StateStore.open(Path(sys.argv[1]))
     store.record_upgrade(generation=7, attempt_id="attempt-7", jti="jti-7",

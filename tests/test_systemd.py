@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from supervisor.cli import EXIT_TERMINATED
-from supervisor.config import ExecConfig, WebSocketConfig, load_config, parse_host_port
-from supervisor.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
-from supervisor.oom import (
+from sandbox_supervisor.daemon.ops.cli import EXIT_TERMINATED
+from sandbox_supervisor.daemon.config import ExecConfig, WebSocketConfig, load_config, parse_host_port
+from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
+from sandbox_supervisor.daemon.runtime.oom import (
     COMMAND_OOM_SCORE_ADJ,
     OOM_SCORE_ADJ_MIN,
     SUPERVISOR_OOM_SCORE_ADJ,
@@ -356,7 +356,7 @@ def test_the_oom_wrapper_runs_the_command_when_the_kernel_refuses_the_value() ->
 def test_the_oom_wrapper_is_silent_when_the_file_cannot_be_opened(tmp_path: Path) -> None:
     # A read-only or missing /proc makes the open itself fail (not the write): the shell
     # reports that on whatever stderr it has at that moment, so the redirection order matters.
-    from supervisor.oom import WRAPPER_SHELL, _wrapper_script
+    from sandbox_supervisor.daemon.runtime.oom import WRAPPER_SHELL, _wrapper_script
 
     unopenable = str(tmp_path / "missing-directory" / "oom_score_adj")
     completed = subprocess.run(

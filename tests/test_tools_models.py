@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.errors import INVALID_FRAME, INVALID_PARAMETERS
-from protocol.tools import (
+from sandbox_supervisor.protocol.errors import INVALID_FRAME, INVALID_PARAMETERS
+from sandbox_supervisor.protocol.tools import (
     TOOL_NAMES,
     TOOL_SCOPES,
     ApplyFilePatchCall,
@@ -25,7 +25,7 @@ from protocol.tools import (
     call_digest,
     parse_tool_call,
 )
-from testing.fuzzing import fuzz_settings
+from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 CALL_ID = "0b9d2f4e-1c3a-4e5f-8a7b-6c5d4e3f2a1b"
 SHA = "3b18e512dba79e4c8300dd08aeb37f8e728b8dad"

@@ -18,8 +18,8 @@ from typing import Any
 import structlog
 import trio
 
-from protocol import errors
-from protocol.tools import (
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.tools import (
     TOOL_SCOPES,
     ToolCall,
     ToolCallError,
@@ -27,9 +27,9 @@ from protocol.tools import (
     is_call_id,
     parse_tool_call,
 )
-from supervisor.journal import Journal
-from supervisor.runtime.failures import ToolFailure
-from supervisor.store import CallRecord, StateStore, StoreError
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
 
 log = structlog.get_logger("supervisor.calls")
 

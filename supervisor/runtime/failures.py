@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from protocol.errors import INTERNAL, INVALID_PARAMETERS, TOOL_ERROR_CODES
+from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, TOOL_ERROR_CODES
 
 # Keys of the error object that details may not overwrite.
 _RESERVED_KEYS = frozenset({"code", "message"})

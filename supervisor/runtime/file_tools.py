@@ -15,14 +15,14 @@ from typing import Any
 
 import trio
 
-from protocol import errors
-from protocol.tools import ApplyFilePatchParams, ReadFileParams
-from supervisor.runtime.calls import CallRunner, RunningCall, failure_error, result_body
-from supervisor.runtime.failures import ToolFailure, os_failure
-from supervisor.runtime.files import read_file_result
-from supervisor.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
-from supervisor.runtime.paths import resolve_in_jail
-from supervisor.store import CallRecord, StateStore
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.tools import ApplyFilePatchParams, ReadFileParams
+from sandbox_supervisor.daemon.runtime.calls import CallRunner, RunningCall, failure_error, result_body
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
+from sandbox_supervisor.daemon.runtime.files import read_file_result
+from sandbox_supervisor.daemon.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
+from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 
 # Hashing a file is the slow part of read_file; below this size it is cheaper to do it on
 # the trio thread than to pay for a worker-thread hop (~50-100 µs).

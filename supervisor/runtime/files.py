@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import BinaryIO
 from typing import Any
 
-from protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
-from protocol.frames import ReadFileResult
-from protocol.tools import MAX_READ_LENGTH, ReadFileParams
-from supervisor.runtime.failures import ToolFailure, os_failure
+from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
+from sandbox_supervisor.protocol.frames import ReadFileResult
+from sandbox_supervisor.protocol.tools import MAX_READ_LENGTH, ReadFileParams
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
 
 __all__ = ["check_regular_file", "open_regular_file", "read_file_result"]
 

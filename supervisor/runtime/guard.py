@@ -64,8 +64,8 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from protocol.errors import FORBIDDEN
-from supervisor.runtime.failures import ToolFailure
+from sandbox_supervisor.protocol.errors import FORBIDDEN
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 
 __all__ = ["GuardRefusal", "check_allowed", "simple_command_names"]
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from protocol import errors
-from protocol.frames import (
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.frames import (
     EventsAckFrame,
     ExecReadOutputFrame,
     ExecSignalFrame,
@@ -23,13 +23,13 @@ from protocol.frames import (
     ToolCallFrame,
     decode_client_frame,
 )
-from supervisor.runtime.calls import STALE_FRAME_MESSAGE, CallContext, error_frame
-from supervisor.runtime.sender import SocketSender
-from supervisor.sessions import Connection
-from supervisor.store import AckAhead
+from sandbox_supervisor.daemon.runtime.calls import STALE_FRAME_MESSAGE, CallContext, error_frame
+from sandbox_supervisor.daemon.session.sender import SocketSender
+from sandbox_supervisor.daemon.session.hub import Connection
+from sandbox_supervisor.daemon.state.store import AckAhead
 
 if TYPE_CHECKING:
-    from supervisor.app import Supervisor
+    from sandbox_supervisor.daemon.app import Supervisor
 
 
 class RuntimeHandler:

@@ -58,12 +58,12 @@ from typing import Any, Literal
 
 import structlog
 
-from protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY
-from protocol.frames import PatchResult
-from protocol.tools import ApplyFilePatchParams
-from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.files import open_regular_file
-from supervisor.fsutil import fsync_directory
+from sandbox_supervisor.protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY
+from sandbox_supervisor.protocol.frames import PatchResult
+from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.files import open_regular_file
+from sandbox_supervisor.daemon.state.fsutil import fsync_directory
 
 log = structlog.get_logger("supervisor.patch")
 

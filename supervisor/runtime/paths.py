@@ -34,9 +34,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from protocol.bootstrap import is_within
-from protocol.errors import INVALID_PARAMETERS, NOT_FOUND, PATH_OUTSIDE_WORKSPACE
-from supervisor.runtime.failures import ToolFailure
+from sandbox_supervisor.protocol.bootstrap import is_within
+from sandbox_supervisor.protocol.errors import INVALID_PARAMETERS, NOT_FOUND, PATH_OUTSIDE_WORKSPACE
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 
 __all__ = ["PathOutsideWorkspace", "resolve_in_jail"]
 

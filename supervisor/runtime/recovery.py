@@ -13,12 +13,12 @@ from typing import Any
 
 import structlog
 
-from supervisor.runtime import processes
-from supervisor.runtime.calls import result_body
-from supervisor.runtime.file_tools import interrupted, recover_patch_call
-from supervisor.runtime.output import HEAD_TAIL_BYTES, StreamHeadTail
-from supervisor.runtime.spool import seal_stream, stream_path
-from supervisor.store import CallRecord, StateStore
+from sandbox_supervisor.daemon.runtime import processes
+from sandbox_supervisor.daemon.runtime.calls import result_body
+from sandbox_supervisor.daemon.runtime.file_tools import interrupted, recover_patch_call
+from sandbox_supervisor.daemon.runtime.output import HEAD_TAIL_BYTES, StreamHeadTail
+from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
+from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 
 log = structlog.get_logger("supervisor.recovery")
 

@@ -26,16 +26,16 @@ from typing import Any
 import structlog
 import trio
 
-from protocol import errors
-from protocol.tools import ExecuteShellCommandParams
-from supervisor.journal import Journal
-from supervisor.oom import with_oom_score_adj
-from supervisor.runtime import processes
-from supervisor.runtime.calls import CallRunner, RunningCall
-from supervisor.runtime.failures import ToolFailure
-from supervisor.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
-from supervisor.runtime.paths import resolve_in_jail
-from supervisor.runtime.spool import (
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.runtime.oom import with_oom_score_adj
+from sandbox_supervisor.daemon.runtime import processes
+from sandbox_supervisor.daemon.runtime.calls import CallRunner, RunningCall
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
+from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
     SpoolWriter,
     prune_spools,
@@ -44,7 +44,7 @@ from supervisor.runtime.spool import (
     spool_usage,
     stream_path,
 )
-from supervisor.store import StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import StateStore, StoreError
 
 log = structlog.get_logger("supervisor.shell")
 
@@ -200,7 +200,7 @@ class ShellRuntime:
         if ctx.allowed_commands is not None:
             # Imported on first use: the guard's tables cost ~2 MiB of an idle daemon, and
             # most assertions carry no allowed_commands.
-            from supervisor.runtime.guard import check_allowed
+            from sandbox_supervisor.daemon.runtime.guard import check_allowed
 
             check_allowed(params.command, ctx.allowed_commands)
         if self.known_call(call.call_id):

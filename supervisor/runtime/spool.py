@@ -45,7 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.fields import UUID_PATTERN
+from sandbox_supervisor.protocol.fields import UUID_PATTERN
 
 __all__ = [
     "STREAMS",

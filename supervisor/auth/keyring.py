@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from protocol.authority import JwksError, load_jwks
+from sandbox_supervisor.protocol.authority import JwksError, load_jwks
 
 log = structlog.get_logger("supervisor.keyring")
 

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from supervisor.store import StateStore, take_within
+from sandbox_supervisor.daemon.state.store import StateStore, take_within
 
 
 RECENT_FRAMES = 1024

@@ -10,7 +10,7 @@ from __future__ import annotations
 import trio
 import trio_websocket
 
-from supervisor.journal import Journal
+from sandbox_supervisor.daemon.state.journal import Journal
 
 # Bounded: a client that floods requests without reading replies is slowed at its own
 # reader (back-pressure), never allowed to grow the daemon's memory.

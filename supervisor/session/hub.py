@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import trio
 import trio_websocket
 
-from protocol.authority import AssertionClaims
-from protocol.headers import RoutingHeaders
+from sandbox_supervisor.protocol.authority import AssertionClaims
+from sandbox_supervisor.protocol.headers import RoutingHeaders
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001

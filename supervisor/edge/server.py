@@ -19,8 +19,8 @@ import structlog
 import trio
 import trio_websocket
 
-from supervisor import http_front
-from supervisor.gate import Admit, Refuse
+from sandbox_supervisor.daemon.edge import http_front
+from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
 
 log = structlog.get_logger("supervisor.server")
 

@@ -22,8 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import ValidationError
 
-from protocol.onboarding import TemplateOnboarding
-from supervisor.fsutil import fsync_directory
+from sandbox_supervisor.protocol.onboarding import TemplateOnboarding
+from sandbox_supervisor.daemon.state.fsutil import fsync_directory
 
 STORE_FORMAT = "sandbox-supervisor-onboarding/1"
 LOCK_SUFFIX = ".lock"

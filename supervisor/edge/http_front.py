@@ -14,7 +14,7 @@ from http import HTTPStatus
 
 import h11
 
-from protocol import errors
+from sandbox_supervisor.protocol import errors
 
 # A routing head with an assertion is ~2 KiB; 16 KiB leaves room for proxies' extra headers
 # while bounding what a slow or hostile peer can make us buffer before it is authenticated.

@@ -1,7 +1,8 @@
-"""Command line: serve, check-config, demo, keys, onboard-template (OPERATIONS.md).
+"""Command line: serve, check-config, keys, onboard-template (docs/operations.md).
 
-`supervisor.app` and `supervisor.demo` are imported inside their handlers, so the light
-commands (check-config, keys) start fast and work without the daemon's dependencies loaded.
+The daemon (`app`) is imported inside its handler, so the light commands (check-config, keys)
+start fast and work without the daemon's dependencies loaded. The demo is the kit's
+(`sandbox-supervisor-demo`): the daemon imports nothing from `sandbox_supervisor.testing`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from supervisor.config import ConfigError, SupervisorConfig, load_config, masked_dict
+from sandbox_supervisor.daemon.config import ConfigError, SupervisorConfig, load_config, masked_dict
 
 PROG = "sandbox-supervisor"
 EXIT_OK = 0
@@ -68,8 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flag(check)
     check.set_defaults(handler=_cmd_check_config)
 
-    demo = commands.add_parser("demo", help="drive one whole session against a temporary daemon")
-    demo.set_defaults(handler=_cmd_demo)
 
     keys = commands.add_parser("keys", help="development keys and assertions")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
@@ -92,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compute the hashes of the installed supervisor, take the rest from the "
         "flags, validate, print the record as JSON; every problem is printed (exit 2).",
     )
-    from supervisor.onboarding import add_arguments as add_onboarding_arguments
+    from sandbox_supervisor.daemon.ops.onboarding import add_arguments as add_onboarding_arguments
 
     add_onboarding_arguments(onboard)
     onboard.set_defaults(handler=_cmd_onboard_template)
@@ -134,7 +133,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args, build_serve_overrides(args))
     if config is None:
         return EXIT_BAD_CONFIG
-    from supervisor.app import serve_main
+    from sandbox_supervisor.daemon.app import serve_main
 
     return serve_main(config)
 
@@ -160,7 +159,7 @@ def _jwks_problems(path: Path) -> list[tuple[str, str]]:
     except OSError as exc:
         return [(key, f"cannot read {path}: {exc.strerror}")]
     try:
-        from protocol.authority import load_jwks
+        from sandbox_supervisor.protocol.authority import load_jwks
     except ImportError:  # the verifier is not installed: at least require JSON
         try:
             json.loads(data)
@@ -174,14 +173,8 @@ def _jwks_problems(path: Path) -> list[tuple[str, str]]:
     return []
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from supervisor.demo import main as demo_main
-
-    return demo_main(args)
-
-
 def _cmd_keys_generate(args: argparse.Namespace) -> int:
-    from supervisor.keys import write_key_pair
+    from sandbox_supervisor.daemon.ops.keys import write_key_pair
 
     try:
         key_path, jwks_path = write_key_pair(args.out_dir, args.kid, force=args.force)
@@ -196,7 +189,7 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys_mint(args: argparse.Namespace) -> int:
-    from supervisor.keys import DEFAULT_LIFETIME_S, KeyFileError, load_signing_jwk, mint_assertion
+    from sandbox_supervisor.daemon.ops.keys import DEFAULT_LIFETIME_S, KeyFileError, load_signing_jwk, mint_assertion
 
     try:
         jwk = load_signing_jwk(args.key)
@@ -221,6 +214,6 @@ def _cmd_keys_mint(args: argparse.Namespace) -> int:
 
 
 def _cmd_onboard_template(args: argparse.Namespace) -> int:
-    from supervisor.onboarding import run
+    from sandbox_supervisor.daemon.ops.onboarding import run
 
     return run(args)

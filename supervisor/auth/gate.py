@@ -11,9 +11,9 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from protocol import errors
-from protocol.authority import AssertionClaims, AuthorityError
-from protocol.headers import RoutingHeaderError, RoutingHeaders, parse_routing_headers
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.authority import AssertionClaims, AuthorityError
+from sandbox_supervisor.protocol.headers import RoutingHeaderError, RoutingHeaders, parse_routing_headers
 
 
 class Lifecycle(enum.Enum):

@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from protocol import errors
-from protocol.bootstrap import BootstrapBody
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 
 
 @dataclass(frozen=True, slots=True)

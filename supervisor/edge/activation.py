@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import structlog
 import trio
 
-from supervisor.server import BoundListeners, open_listeners
+from sandbox_supervisor.daemon.edge.server import BoundListeners, open_listeners
 
 log = structlog.get_logger("supervisor.activation")
 

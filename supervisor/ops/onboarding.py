@@ -43,14 +43,14 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from protocol.onboarding import (
+from sandbox_supervisor.protocol.onboarding import (
     MAX_COMPONENTS,
     ComponentName,
     ComponentVersion,
     TemplateOnboarding,
     format_utc,
 )
-from supervisor.onboarding_store import (  # noqa: F401 - re-exported: the store API lives here too
+from sandbox_supervisor.daemon.ops.onboarding_store import (  # noqa: F401 - re-exported: the store API lives here too
     JsonFileOnboardingStore,
     OnboardingStore,
     OnboardingStoreError,
@@ -59,7 +59,7 @@ from supervisor.onboarding_store import (  # noqa: F401 - re-exported: the store
 DISTRIBUTION = "sandbox-supervisor"
 CONSOLE_SCRIPT = "sandbox-supervisor"
 # The import packages of the distribution (pyproject: tool.setuptools.packages.find.include).
-RUNTIME_PACKAGES = ("protocol", "supervisor", "testing")
+RUNTIME_PACKAGES = ("sandbox_supervisor.protocol", "sandbox_supervisor.daemon", "sandbox_supervisor.testing")
 # Not SANDBOX_SUPERVISOR_…: every variable of that prefix is a config override, and an
 # unknown one is an error (check-config and serve in the image would refuse to start).
 BUILD_SHA_ENV = "SUPERVISOR_BUILD_SHA"
@@ -234,7 +234,7 @@ def build_sha(
     if env.get(BUILD_SHA_ENV):
         return env[BUILD_SHA_ENV], BUILD_SHA_ENV
     if source_dir is None:
-        source_dir = package_directories(["supervisor"])["supervisor"]
+        source_dir = package_directories(["sandbox_supervisor.daemon"])["sandbox_supervisor.daemon"]
     return git_head(source_dir), "git"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import structlog
 
-from protocol.headers import ID_PATTERN
+from sandbox_supervisor.protocol.headers import ID_PATTERN
 
 log = structlog.get_logger("supervisor.identity")
 
