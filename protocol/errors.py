@@ -41,6 +41,8 @@ UPGRADE_REQUIRED = "upgrade_required"
 # the call sites honest about which one they mean.
 NOT_FOUND_ROUTE = "not_found"
 TOO_MANY_HANDSHAKES = "too_many_handshakes"
+REQUEST_HEAD_TOO_LARGE = "request_head_too_large"
+BAD_REQUEST = "bad_request"
 
 # --- `session.bootstrap.rejected` codes (section 6.1) ---
 BOOTSTRAP_MISMATCH = "session_binding_mismatch"
@@ -48,8 +50,26 @@ CWD_INVALID = "cwd_not_in_workspace"
 REPOSITORY_MISSING = "repository_root_missing"
 PROFILE_NOT_ALLOWED = "profile_not_allowed"
 
-# The codes `decode_client_frame` can produce (FrameError.code).
-FRAME_ERROR_CODES = frozenset({INVALID_FRAME, UNKNOWN_KIND})
+# Every HTTP refusal: code -> (status, the one sentence the peer gets). The peer learns the
+# category; the daemon's log keeps the detail.
+HTTP_ERRORS: dict[str, tuple[int, str]] = {
+    BAD_REQUEST: (400, "The request is not valid HTTP/1.1."),
+    NOT_FOUND_ROUTE: (404, "No such route."),
+    UPGRADE_REQUIRED: (426, "This route takes a WebSocket upgrade."),
+    REQUEST_HEAD_TOO_LARGE: (431, "The request head is too large."),
+    TOO_MANY_HANDSHAKES: (503, "Too many handshakes in progress; retry shortly."),
+    # The upgrade gate's checks, in their order (section 2).
+    DRAINING: (503, "The supervisor is stopping."),
+    TERMINATED: (503, "The supervisor has terminated after a bootstrap rejection."),
+    INVALID_ROUTING_HEADERS: (400, "A routing header is missing or malformed."),
+    SANDBOX_IDENTITY_UNAVAILABLE: (503, "The sandbox identity cannot be read."),
+    SANDBOX_MISMATCH: (409, "The request is for another sandbox."),
+    INVALID_AUTHORITY: (401, "The control-authority assertion is missing or invalid."),
+    SESSION_MISMATCH: (409, "The supervisor is bound to another session."),
+    ACK_FLOOR_AHEAD: (409, "The event ack floor is ahead of the supervisor's journal."),
+    STALE_GENERATION: (409, "The connection generation is stale."),
+    STATE_UNAVAILABLE: (500, "The supervisor could not record the connection."),
+}
 # The codes a `tool.result` with ok:false may carry (section 7).
 TOOL_ERROR_CODES = frozenset(
     {

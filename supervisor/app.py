@@ -35,7 +35,7 @@ from sandbox_supervisor.protocol.frames import (
     encode_frame,
 )
 from sandbox_supervisor.daemon.edge import http_front
-from sandbox_supervisor.daemon.session import hub as sessions
+from sandbox_supervisor.protocol import closes as sessions
 from sandbox_supervisor.daemon.session.binding import BindRejected, decide_binding
 from sandbox_supervisor.daemon.config import SupervisorConfig
 from sandbox_supervisor.daemon.auth.gate import Admit, GateState, Lifecycle, Refuse, decide_upgrade, refuse

@@ -20,6 +20,7 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.protocol import headers as H
+from sandbox_supervisor.protocol.closes import CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON
 from sandbox_supervisor.testing._groups import single_leaf
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 
@@ -28,8 +29,6 @@ CONNECT_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0
 RECEIVE_BUFFER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (replays, pages)
-REJECTION_RECEIPT_CODE = 4400
-REJECTION_RECEIPT_REASON = "bootstrap rejection received"
 FRAME_ERRORS = ("invalid_frame", "unknown_kind", "generation_mismatch")
 # Results that never held the idempotency key (7.1): after a tool.pending they are not the
 # one result the key's first execution will produce.
@@ -350,7 +349,7 @@ class ControlSession:
         await self.send("session.bootstrap", body)
         frame = await self.receive()
         if frame.get("kind") == "session.bootstrap.rejected":
-            await self.ws.aclose(REJECTION_RECEIPT_CODE, REJECTION_RECEIPT_REASON)
+            await self.ws.aclose(CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON)
             raise BootstrapRejected(frame["body"]["code"], frame["body"]["message"])
         if frame.get("kind") != "runtime.state":
             raise AssertionError(f"expected runtime.state, got {frame!r}")

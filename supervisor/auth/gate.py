@@ -57,36 +57,9 @@ class Refuse:
         return []
 
 
-# One sentence per refusal, fixed: the peer learns the category, the log learns the detail.
-MESSAGES = {
-    errors.DRAINING: "The supervisor is stopping.",
-    errors.TERMINATED: "The supervisor has terminated after a bootstrap rejection.",
-    errors.INVALID_ROUTING_HEADERS: "A routing header is missing or malformed.",
-    errors.SANDBOX_IDENTITY_UNAVAILABLE: "The sandbox identity cannot be read.",
-    errors.SANDBOX_MISMATCH: "The request is for another sandbox.",
-    errors.INVALID_AUTHORITY: "The control-authority assertion is missing or invalid.",
-    errors.SESSION_MISMATCH: "The supervisor is bound to another session.",
-    errors.ACK_FLOOR_AHEAD: "The event ack floor is ahead of the supervisor's journal.",
-    errors.STALE_GENERATION: "The connection generation is stale.",
-    errors.STATE_UNAVAILABLE: "The supervisor could not record the connection.",
-}
-
-STATUS = {
-    errors.DRAINING: 503,
-    errors.TERMINATED: 503,
-    errors.INVALID_ROUTING_HEADERS: 400,
-    errors.SANDBOX_IDENTITY_UNAVAILABLE: 503,
-    errors.SANDBOX_MISMATCH: 409,
-    errors.INVALID_AUTHORITY: 401,
-    errors.SESSION_MISMATCH: 409,
-    errors.ACK_FLOOR_AHEAD: 409,
-    errors.STALE_GENERATION: 409,
-    errors.STATE_UNAVAILABLE: 500,
-}
-
-
 def refuse(code: str, detail: str, headers: RoutingHeaders | None = None) -> Refuse:
-    return Refuse(STATUS[code], code, MESSAGES[code], detail, headers)
+    status, message = errors.HTTP_ERRORS[code]
+    return Refuse(status, code, message, detail, headers)
 
 
 def fence_admits(generation: int, attempt_id: str, fence_generation: int, fence_attempt: str | None) -> bool:

@@ -220,17 +220,17 @@ def render_error(
     )
 
 
-NOT_FOUND_RESPONSE = render_error(404, errors.NOT_FOUND_ROUTE, "No such route.")
-UPGRADE_REQUIRED_RESPONSE = render_error(
-    426,
+def render_refusal(code: str, extra_headers: list[tuple[bytes, bytes]] | tuple = ()) -> bytes:
+    """The HTTP answer of one refusal code, as protocol.errors.HTTP_ERRORS defines it."""
+    status, message = errors.HTTP_ERRORS[code]
+    return render_error(status, code, message, extra_headers)
+
+
+NOT_FOUND_RESPONSE = render_refusal(errors.NOT_FOUND_ROUTE)
+UPGRADE_REQUIRED_RESPONSE = render_refusal(
     errors.UPGRADE_REQUIRED,
-    "This route takes a WebSocket upgrade.",
     extra_headers=[(b"upgrade", b"websocket"), (b"sec-websocket-version", WEBSOCKET_VERSION)],
 )
-TOO_MANY_HANDSHAKES_RESPONSE = render_error(
-    503, errors.TOO_MANY_HANDSHAKES, "Too many handshakes in progress; retry shortly."
-)
-HEAD_TOO_LARGE_RESPONSE = render_error(
-    431, "request_head_too_large", "The request head is too large."
-)
-BAD_REQUEST_RESPONSE = render_error(400, "bad_request", "The request is not valid HTTP/1.1.")
+TOO_MANY_HANDSHAKES_RESPONSE = render_refusal(errors.TOO_MANY_HANDSHAKES)
+HEAD_TOO_LARGE_RESPONSE = render_refusal(errors.REQUEST_HEAD_TOO_LARGE)
+BAD_REQUEST_RESPONSE = render_refusal(errors.BAD_REQUEST)

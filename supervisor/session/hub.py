@@ -15,39 +15,12 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.protocol.authority import AssertionClaims
+from sandbox_supervisor.protocol.closes import (
+    CLOSE_POLICY_VIOLATION,
+    SUPERSEDED_REASON,
+    clip_close_reason,
+)
 from sandbox_supervisor.protocol.headers import RoutingHeaders
-
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_PROTOCOL_ERROR = 1002
-CLOSE_UNSUPPORTED_DATA = 1003
-CLOSE_POLICY_VIOLATION = 1008
-CLOSE_MESSAGE_TOO_BIG = 1009
-CLOSE_INTERNAL_ERROR = 1011
-CLOSE_REJECTION_RECEIPT = 4400
-
-SUPERSEDED_REASON = "Connection attempt was superseded."
-STOPPING_REASON = "Supervisor listener stopping."
-IDLE_REASON = "Connection idle timeout."
-BINARY_REASON = "Binary frames are not supported."
-EXPECTED_BOOTSTRAP_REASON = "Expected session bootstrap as first frame."
-BOOTSTRAP_MISMATCH_REASON = "Bootstrap does not match upgrade headers."
-RECEIPT_NOT_OBSERVED_REASON = "Supervisor rejection receipt was not observed."
-REJECTION_RECEIPT_REASON = "bootstrap rejection received"
-SEND_FAILED_REASON = "Supervisor could not send a frame."
-INTERNAL_REASON = "Supervisor internal error."
-TOO_BIG_REASON = "Message is larger than the limit."
-
-MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is ≤ 125 bytes, 2 are the code
-
-
-def clip_close_reason(reason: str) -> str:
-    """Trim to 123 bytes of UTF-8 without splitting a character."""
-    encoded = reason.encode("utf-8")
-    if len(encoded) <= MAX_CLOSE_REASON_BYTES:
-        return reason
-    return encoded[:MAX_CLOSE_REASON_BYTES].decode("utf-8", errors="ignore")
-
 
 _ids = itertools.count(1)
 
