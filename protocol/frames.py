@@ -12,6 +12,7 @@ for frames that already failed.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -477,5 +478,34 @@ def decode_server_frame(raw: str | bytes) -> ServerFrameModel:
 
 
 def encode_frame(frame: BaseModel) -> str:
-    """Compact JSON (no spaces), keys in field order, optional fields omitted when absent."""
+    """The one encoder of server frames: compact JSON (no spaces), keys in field order,
+    optional fields omitted when absent, non-ASCII as UTF-8."""
     return frame.model_dump_json(by_alias=True)
+
+
+EVENT_MODELS: dict[str, type[ExecStartedEvent | ExecOutputEvent | ExecCompletedEvent | ToolResultEvent]] = {
+    EXEC_STARTED: ExecStartedEvent,
+    EXEC_OUTPUT: ExecOutputEvent,
+    EXEC_COMPLETED: ExecCompletedEvent,
+    TOOL_RESULT: ToolResultEvent,
+}
+
+
+def encode_event(kind: str, seq: int, body: Mapping[str, Any]) -> str:
+    """A journaled event exactly as it is stored and sent: validated against its model (so
+    nothing malformed is ever journaled) and written by `encode_frame`. ValueError (pydantic's
+    ValidationError is one) for an unknown kind or a body that does not fit."""
+    model = EVENT_MODELS.get(kind)
+    if model is None:
+        raise ValueError(f"not a journaled event kind: {kind!r}")
+    return encode_frame(model.model_validate({"kind": kind, "seq": seq, "body": body}))
+
+
+def encode_replayed(call_id: str, idempotency_key: str, original: str) -> str:
+    """tool.replayed for a retry, embedding the journaled tool.result `original`. Re-encoded
+    by the one encoder, it is byte for byte the text that was journaled (that text came from
+    the same encoder: a test holds this)."""
+    event = ToolResultEvent.model_validate_json(original)
+    return encode_frame(
+        ToolReplayedFrame(body=ToolReplayedBody(call_id=call_id, idempotency_key=idempotency_key, original=event))
+    )
