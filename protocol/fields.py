@@ -25,7 +25,9 @@ def _is_none(value: object) -> bool:
 
 def optional_field() -> Any:
     """A field the spec marks optional: None by default and then absent from the JSON
-    (not `"x": null`), so what we send matches what the spec shows."""
+    (not `"x": null`), so what we send matches what the spec shows.
+
+    Typed Any as pydantic's own Field() is: it stands as the default of a field of any type."""
     return Field(default=None, exclude_if=_is_none)
 
 
