@@ -6,7 +6,7 @@ a uuid, a seq or an environment map instead of each spelling its own.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -53,6 +53,9 @@ Generation = Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
 
 Scope = Literal["files:read", "files:write", "shell:exec"]
 Stream = Literal["stdout", "stderr"]
+# A command's output streams, in the order results and the spool list them; derived from
+# `Stream` so that the type and the iteration can never disagree.
+STREAMS: tuple[Stream, ...] = get_args(Stream)
 
 
 # A NUL cannot reach the OS (paths, argv, environ); refusing it in the schema turns a later
