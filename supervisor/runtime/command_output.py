@@ -114,6 +114,9 @@ class CommandOutput:
         self._wake = trio.Event()  # data, completion or close: the flusher looks again
         self.closed = trio.Event()  # both pipes have reached their end
         self.finished = trio.Event()  # readers and flusher done, spools closed
+        # The call has completed and both pipes are closed: nothing is left but the flusher's
+        # last round, which must not wait for a throttle window to end.
+        self._drained = trio.Event()
 
     @classmethod
     def open(
@@ -156,6 +159,11 @@ class CommandOutput:
         once both pipes are closed and drained."""
         self.call_completed = True
         self._wake.set()
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self.call_completed and self.closed.is_set():
+            self._drained.set()
 
     def summary_body(self, name: Stream) -> dict[str, Any]:
         return self.streams[name].summary_body()
@@ -210,6 +218,7 @@ class CommandOutput:
             if all(s.closed for s in self.streams.values()):
                 self.closed.set()
                 self._wake.set()
+                self._check_drained()
 
     async def _flush_live(self) -> None:
         """Emit throttled exec.output events until the call has completed and both streams
@@ -236,7 +245,10 @@ class CommandOutput:
             self._journal_output(events)
             wake_at = [t for t in (s.live.next_flush_at() for s in self.streams.values()) if t is not None]
             if wake_at:
-                await trio.sleep_until(min(wake_at) / 1000 + CLOCK_EPSILON_S)
+                # Bytes inside a throttle window wait for its end — unless the output ends
+                # first: its last flush ignores the throttle, so nothing is left to wait for.
+                with trio.move_on_at(min(wake_at) / 1000 + CLOCK_EPSILON_S):
+                    await self._drained.wait()
             else:
                 await self._wake.wait()
 
