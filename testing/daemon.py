@@ -39,13 +39,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import trio
 
 from sandbox_supervisor.testing._groups import single_leaf
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.client import ControlClient, Endpoint
+
+if TYPE_CHECKING:  # the daemon's modules load only when a daemon is configured or started
+    from sandbox_supervisor.daemon.config import SupervisorConfig
 
 DEFAULT_SANDBOX_ID = "sbx-test-0001"
 START_TIMEOUT_S = 20.0
@@ -126,7 +129,7 @@ class DaemonLayout:
             config.setdefault(section, {}).update(values)
         return config
 
-    def config(self):
+    def config(self) -> SupervisorConfig:
         from sandbox_supervisor.daemon.config import SupervisorConfig
 
         return SupervisorConfig.model_validate(self.config_dict())
@@ -203,7 +206,7 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
 
     result: dict[str, int] = {}
 
-    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
         result["exit"] = await run_supervisor(
             layout.config(), handle_signals=False, env={}, task_status=task_status
         )
