@@ -209,3 +209,26 @@ def _rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError("VmRSS not found")
+
+
+async def test_an_ack_the_database_refuses_gets_a_typed_answer_and_the_socket_stays(daemon, session):
+    """The database refuses the ack's write (a real sqlite error: the daemon's own connection
+    made read-only). The client gets an `error` frame `internal` — the same typed answer a tool
+    call gets — the floor does not move, the socket stays usable, and the ack sent again once
+    the database takes writes raises the floor."""
+    (daemon.layout.workspace / "note.txt").write_text("hi")
+    await make_events(session, 2)
+    store = daemon.supervisor.store
+    store._conn.execute("PRAGMA query_only = ON")  # writes now fail: SQLITE_READONLY
+    try:
+        await session.ack(2)
+        frame = await session.receive_until(lambda f: f["kind"] == "error")
+    finally:
+        store._conn.execute("PRAGMA query_only = OFF")
+    assert frame["body"]["code"] == "internal"
+    assert "send it again" in frame["body"]["message"]
+    assert store.snapshot().ack_floor == 0
+    await session.ack(2)
+    # The socket still serves: a call after the refused ack is answered as usual.
+    assert (await session.call_and_wait("read_file", {"path": "note.txt"}))["ok"] is True
+    assert store.snapshot().ack_floor == 2
