@@ -153,7 +153,7 @@ class Supervisor:
 
     def holds_fence(self, conn: Connection) -> bool:
         """The socket is the authoritative one and its generation is the fenced one: only
-        then may its frames act (PROTOCOL 4). A newer upgrade that passed the gate moves the
+        then may its frames act (docs/protocol.md §4.3). A newer upgrade that passed the gate moves the
         fence even when its handshake fails and supersedes nobody."""
         return self.hub.is_authoritative(conn) and conn.generation == self.fence_generation
 
@@ -185,7 +185,7 @@ class Supervisor:
         return (200 if self.lifecycle is Lifecycle.SERVING else 503), http_front.json_body(body)
 
     async def exec_frame(self, frame, reply) -> None:
-        """exec.signal and exec.read_output (PROTOCOL 6.2)."""
+        """exec.signal and exec.read_output (docs/protocol.md §7.4.6, §7.4.7)."""
         body = frame.body
         if isinstance(frame, ExecSignalFrame):
             code = self.shell.signal_command(body.call_id, body.signal)

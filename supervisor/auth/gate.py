@@ -1,4 +1,4 @@
-"""The upgrade gate: the ordered checks of PROTOCOL section 2 as one pure decision.
+"""The upgrade gate: the ordered checks of docs/protocol.md §2.2 as one pure decision.
 
 Input is the request's headers plus a snapshot of what the daemon knows; output is either an
 `Admit` (what to record before the 101) or a `Refuse` (the exact HTTP answer). The caller does
@@ -63,7 +63,7 @@ def refuse(code: str, detail: str, headers: RoutingHeaders | None = None) -> Ref
 
 
 def fence_admits(generation: int, attempt_id: str, fence_generation: int, fence_attempt: str | None) -> bool:
-    """Section 4: a higher generation, or a retry of exactly the fenced attempt."""
+    """docs/protocol.md §4.1: a higher generation, or a retry of exactly the fenced attempt."""
     if generation > fence_generation:
         return True
     return generation == fence_generation and attempt_id == fence_attempt

@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAMESPACE = "sandbox_supervisor"
 
-# Label values for outcomes are stable codes (PROTOCOL.md error codes, or "accepted" /
+# Label values for outcomes are stable codes (the codes of docs/codes.md, or "accepted" /
 # "success"): bounded sets, so a peer cannot grow the series count with garbage.
 UPGRADE_ACCEPTED = "accepted"
 

@@ -65,7 +65,7 @@ class Outcome(enum.Enum):
 
 
 def idempotency_outcome(existing: CallRecord | None, digest: str) -> Outcome:
-    """PROTOCOL 7.1 as a pure decision over the record `begin_call` found (None: it wrote
+    """docs/protocol.md §8 as a pure decision over the record `begin_call` found (None: it wrote
     a new pending record)."""
     if existing is None:
         return Outcome.RUN
@@ -411,7 +411,7 @@ class CallRunner:
         self.unjournaled[key] = kept
         self._unjournaled_chars += kept.chars
         # Past the bounds the oldest are dropped: their records stay pending, and the next
-        # start resolves them (7.1), as it would have without this memory.
+        # start resolves them (docs/protocol.md §10.2), as it would have without this memory.
         while self.unjournaled and (
             len(self.unjournaled) > MAX_UNJOURNALED or self._unjournaled_chars > MAX_UNJOURNALED_CHARS
         ):
@@ -452,7 +452,7 @@ class CallRunner:
         except Exception:
             # One call's failure to journal must not take the session's other calls down.
             # With a key the record stays pending: the result is kept here and journaled
-            # when the key comes back (or the next start resolves the record, 7.1).
+            # when the key comes back (or the next start resolves the record, §10.2).
             log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
             if key is not None:
                 self._keep_unjournaled(key, _Unjournaled(running, body, started))

@@ -1,5 +1,5 @@
 """`apply_file_patch` and `read_file` as tools of the CallRunner, and the crash recovery of
-patches (PROTOCOL 7.1, 7.2, 7.2a).
+patches (docs/protocol.md §7.3, §7.5, §10.2).
 
 The decisions live in `paths`, `patch` and `files`; this module sequences them with the
 idempotency record: the planned result is recorded *before* the write, so after a crash

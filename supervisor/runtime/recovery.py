@@ -1,4 +1,4 @@
-"""Start-up recovery (PROTOCOL 7.1 and 10): before the daemon listens, every call a previous
+"""Start-up recovery (docs/protocol.md §10.2): before the daemon listens, every call a previous
 instance left pending gets its one result, and the process groups it left are killed.
 
 Nothing runs twice: a patch is finished or recognised as finished from the file's sha; a

@@ -1,4 +1,4 @@
-"""execute_shell_command: spawn, stream, spool, signal, time out, complete (PROTOCOL 7.3, 8).
+"""execute_shell_command: spawn, stream, spool, signal, time out, complete (docs/protocol.md §7.4).
 
 Each command runs in a new session and process group, so a signal or a kill reaches every
 descendant. Its stdout and stderr are each read by one task that writes every byte to the
@@ -51,7 +51,7 @@ log = structlog.get_logger("supervisor.shell")
 STREAMS = ("stdout", "stderr")
 READ_CHUNK_BYTES = 64 * 1024
 # After the shell exits, descendants it put in the background may still hold the pipes;
-# completion waits this long for them to close before it is reported (7.3).
+# completion waits this long for them to close before it is reported (§7.4.3).
 COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
 # How often a terminating group is checked for survivors (each check scans /proc).
@@ -537,7 +537,7 @@ class ShellRuntime:
             await trio.sleep(0.01)
 
     async def stop_all(self) -> None:
-        """SIGTERM every running group, SIGKILL after the grace (PROTOCOL 10); the calls'
+        """SIGTERM every running group, SIGKILL after the grace (docs/protocol.md §10.1); the calls'
         own tasks then journal their completions. No command starts after this."""
         self.stopping = True
         running = [c for c in self.commands.values() if not c.shell_exited or processes.group_alive(c.pgid)]

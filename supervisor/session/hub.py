@@ -1,4 +1,4 @@
-"""One authoritative socket per session (PROTOCOL section 4).
+"""One authoritative socket per session (docs/protocol.md §4.2).
 
 `SessionHub` is plain state: which connection is authoritative, and which connections are
 still open. Closing sockets is asynchronous, so superseding only *asks* the old connection to
