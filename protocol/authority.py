@@ -12,12 +12,12 @@ import base64
 import json
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, NoReturn, get_args
 
 from cryptography.hazmat.primitives.asymmetric import ec
 from joserfc import jws
 from joserfc.errors import BadSignatureError, JoseError
-from joserfc.jwk import ECKey, KeySet
+from joserfc.jwk import ECKey, KeyParameters, KeySet
 from pydantic import Field, StringConstraints, ValidationError, field_validator
 
 from sandbox_supervisor.protocol.fields import MAX_PATH_CHARS, Scope, StrictModel
@@ -162,11 +162,11 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _no_constants(name: str) -> Any:
+def _no_constants(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 
-def _strict_json(text: str | bytes) -> Any:
+def _strict_json(text: str | bytes) -> object:
     if isinstance(text, bytes):
         text = text.decode("utf-8")
     return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
@@ -213,7 +213,8 @@ def _import_jwk(index: int, entry: object, problems: list[str]) -> ECKey | None:
         problems.append(f"{where}: key_ops must only allow verify")
     if "ext" in entry and not isinstance(entry["ext"], bool):
         problems.append(f"{where}: ext must be a boolean")
-    if len(problems) > found:
+    # A kid that is not a string is among the problems already; the test also tells mypy.
+    if len(problems) > found or not isinstance(kid, str):
         return None
     try:
         coordinates = [_b64url_decode(entry[name]) for name in ("x", "y")]
@@ -225,7 +226,8 @@ def _import_jwk(index: int, entry: object, problems: list[str]) -> ECKey | None:
     except (KeyError, TypeError, ValueError):
         problems.append(f"{where}: x and y must be a point on {CURVE}")
         return None
-    return ECKey.import_key(public_key, {"kid": kid, "alg": ALGORITHM, "use": "sig"})
+    parameters: KeyParameters = {"kid": kid, "alg": ALGORITHM, "use": "sig"}
+    return ECKey.import_key(public_key, parameters)
 
 
 def load_jwks(data: str | bytes) -> KeySet:

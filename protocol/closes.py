@@ -65,6 +65,6 @@ CLOSES: tuple[Close, ...] = (
     Close(CLOSE_INTERNAL_ERROR, IDLE_REASON, "supervisor", "no inbound traffic (pongs included) for websocket.idle_timeout_s"),
     Close(CLOSE_INTERNAL_ERROR, RECEIPT_NOT_OBSERVED_REASON, "supervisor", "no 4400 receipt after session.bootstrap.rejected"),
     Close(CLOSE_INTERNAL_ERROR, SEND_FAILED_REASON, "supervisor", "a frame the socket needed could not be sent"),
-    Close(CLOSE_INTERNAL_ERROR, INTERNAL_REASON, "supervisor", "the binding could not be persisted, or a bug cost this socket"),
+    Close(CLOSE_INTERNAL_ERROR, INTERNAL_REASON, "supervisor", "the state database failed during the bootstrap, or a bug cost this socket"),
     Close(CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON, "client", "the client read session.bootstrap.rejected"),
 )

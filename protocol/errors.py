@@ -174,8 +174,8 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
         "process, or that failed to start."
     ),
     INTERNAL: (
-        "The state database refused to record a call (nothing ran) or its result (the "
-        "message says whether to retry with the same key)."
+        "The state database refused to record a call (nothing ran), its result (the message "
+        "says whether to retry with the same key), or an events.ack (send it again)."
     ),
 }
 

@@ -6,7 +6,7 @@ a uuid, a seq or an environment map instead of each spelling its own.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -25,7 +25,9 @@ def _is_none(value: object) -> bool:
 
 def optional_field() -> Any:
     """A field the spec marks optional: None by default and then absent from the JSON
-    (not `"x": null`), so what we send matches what the spec shows."""
+    (not `"x": null`), so what we send matches what the spec shows.
+
+    Typed Any as pydantic's own Field() is: it stands as the default of a field of any type."""
     return Field(default=None, exclude_if=_is_none)
 
 
@@ -53,6 +55,7 @@ Generation = Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
 
 Scope = Literal["files:read", "files:write", "shell:exec"]
 Stream = Literal["stdout", "stderr"]
+STREAMS: tuple[Stream, ...] = get_args(Stream)
 
 
 # A NUL cannot reach the OS (paths, argv, environ); refusing it in the schema turns a later

@@ -12,7 +12,8 @@ for frames that already failed.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -42,23 +43,24 @@ from sandbox_supervisor.protocol.fields import (
 from sandbox_supervisor.protocol.tools import is_call_id
 
 # --- kinds ---
-SESSION_BOOTSTRAP = "session.bootstrap"
-TOOL_CALL = "tool.call"
-EVENTS_ACK = "events.ack"
-EXEC_SIGNAL = "exec.signal"
-EXEC_READ_OUTPUT = "exec.read_output"
+# Final, so each is also its Literal type: a frame model's `kind` default is the constant.
+SESSION_BOOTSTRAP: Final = "session.bootstrap"
+TOOL_CALL: Final = "tool.call"
+EVENTS_ACK: Final = "events.ack"
+EXEC_SIGNAL: Final = "exec.signal"
+EXEC_READ_OUTPUT: Final = "exec.read_output"
 CLIENT_KINDS = frozenset({SESSION_BOOTSTRAP, TOOL_CALL, EVENTS_ACK, EXEC_SIGNAL, EXEC_READ_OUTPUT})
 
-RUNTIME_STATE = "runtime.state"
-SESSION_BOOTSTRAP_REJECTED = "session.bootstrap.rejected"
-TOOL_PENDING = "tool.pending"
-TOOL_REPLAYED = "tool.replayed"
-EXEC_OUTPUT_PAGE = "exec.output_page"
-ERROR = "error"
-EXEC_STARTED = "exec.started"
-EXEC_OUTPUT = "exec.output"
-EXEC_COMPLETED = "exec.completed"
-TOOL_RESULT = "tool.result"
+RUNTIME_STATE: Final = "runtime.state"
+SESSION_BOOTSTRAP_REJECTED: Final = "session.bootstrap.rejected"
+TOOL_PENDING: Final = "tool.pending"
+TOOL_REPLAYED: Final = "tool.replayed"
+EXEC_OUTPUT_PAGE: Final = "exec.output_page"
+ERROR: Final = "error"
+EXEC_STARTED: Final = "exec.started"
+EXEC_OUTPUT: Final = "exec.output"
+EXEC_COMPLETED: Final = "exec.completed"
+TOOL_RESULT: Final = "tool.result"
 EVENT_KINDS = frozenset({EXEC_STARTED, EXEC_OUTPUT, EXEC_COMPLETED, TOOL_RESULT})
 SERVER_KINDS = frozenset(
     {
@@ -413,8 +415,9 @@ class FrameError(ValueError):
         self.reason = reason
 
 
-_CLIENT_FRAME_ADAPTER: TypeAdapter[Any] = TypeAdapter(ClientFrame)
-_SERVER_FRAME_ADAPTER: TypeAdapter[Any] = TypeAdapter(ServerFrame)
+_CLIENT_FRAME_ADAPTER: TypeAdapter[ClientFrameModel] = TypeAdapter(ClientFrame)
+_SERVER_FRAME_ADAPTER: TypeAdapter[ServerFrameModel] = TypeAdapter(ServerFrame)
+_Frame = TypeVar("_Frame", bound=BaseModel)
 
 
 def _first_problem(error: ValidationError) -> str:
@@ -454,7 +457,9 @@ def _frame_error(raw: str | bytes, known_kinds: frozenset[str], reason: str) -> 
     )
 
 
-def _decode(adapter: TypeAdapter[Any], known_kinds: frozenset[str], raw: str | bytes) -> Any:
+def _decode(
+    adapter: TypeAdapter[_Frame], known_kinds: frozenset[str], raw: str | bytes
+) -> _Frame:
     try:
         return adapter.validate_json(raw)
     except ValidationError as error:
@@ -466,16 +471,43 @@ def _decode(adapter: TypeAdapter[Any], known_kinds: frozenset[str], raw: str | b
 
 def decode_client_frame(raw: str | bytes) -> ClientFrameModel:
     """Decode one client message into its frame model; raise only FrameError."""
-    frame: ClientFrameModel = _decode(_CLIENT_FRAME_ADAPTER, CLIENT_KINDS, raw)
-    return frame
+    return _decode(_CLIENT_FRAME_ADAPTER, CLIENT_KINDS, raw)
 
 
 def decode_server_frame(raw: str | bytes) -> ServerFrameModel:
     """Decode one server message (for clients and tests); raise only FrameError."""
-    frame: ServerFrameModel = _decode(_SERVER_FRAME_ADAPTER, SERVER_KINDS, raw)
-    return frame
+    return _decode(_SERVER_FRAME_ADAPTER, SERVER_KINDS, raw)
 
 
 def encode_frame(frame: BaseModel) -> str:
-    """Compact JSON (no spaces), keys in field order, optional fields omitted when absent."""
+    """The one encoder of server frames: compact JSON (no spaces), keys in field order,
+    optional fields omitted when absent, non-ASCII as UTF-8."""
     return frame.model_dump_json(by_alias=True)
+
+
+EVENT_MODELS: dict[str, type[ExecStartedEvent | ExecOutputEvent | ExecCompletedEvent | ToolResultEvent]] = {
+    EXEC_STARTED: ExecStartedEvent,
+    EXEC_OUTPUT: ExecOutputEvent,
+    EXEC_COMPLETED: ExecCompletedEvent,
+    TOOL_RESULT: ToolResultEvent,
+}
+
+
+def encode_event(kind: str, seq: int, body: Mapping[str, Any]) -> str:
+    """A journaled event exactly as it is stored and sent: validated against its model (so
+    nothing malformed is ever journaled) and written by `encode_frame`. ValueError (pydantic's
+    ValidationError is one) for an unknown kind or a body that does not fit."""
+    model = EVENT_MODELS.get(kind)
+    if model is None:
+        raise ValueError(f"not a journaled event kind: {kind!r}")
+    return encode_frame(model.model_validate({"kind": kind, "seq": seq, "body": body}))
+
+
+def encode_replayed(call_id: str, idempotency_key: str, original: str) -> str:
+    """tool.replayed for a retry, embedding the journaled tool.result `original`. Re-encoded
+    by the one encoder, it is byte for byte the text that was journaled (that text came from
+    the same encoder: a test holds this)."""
+    event = ToolResultEvent.model_validate_json(original)
+    return encode_frame(
+        ToolReplayedFrame(body=ToolReplayedBody(call_id=call_id, idempotency_key=idempotency_key, original=event))
+    )

@@ -24,7 +24,8 @@ from sandbox_supervisor.protocol import authority, bootstrap, frames, onboarding
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "schemas"
 
-# name -> model or union; the name is the file name (without .json).
+# name -> model or union; the name is the file name (without .json). Any: the values are type
+# forms (classes, and Annotated unions that are no class) as TypeAdapter takes them.
 EXPORTED: dict[str, Any] = {
     # client frames, one by one and as the union a server accepts
     "SessionBootstrapFrame": frames.SessionBootstrapFrame,

@@ -13,17 +13,19 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     ValidationError,
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 ENV_PREFIX = "SANDBOX_SUPERVISOR_"
 # Separates section from key in an environment variable name (SECTION__KEY).
@@ -222,7 +224,7 @@ class LoggingConfig(_Section):
 
     @field_validator("level", mode="before")
     @classmethod
-    def _lower_level(cls, value: Any) -> Any:
+    def _lower_level(cls, value: object) -> object:
         # "INFO" and "info" mean the same to an operator.
         return value.lower() if isinstance(value, str) else value
 
@@ -237,10 +239,19 @@ class SupervisorConfig(_Section):
     logging: LoggingConfig = LoggingConfig()
 
 
-SECTIONS: dict[str, type[BaseModel]] = {
-    name: field.annotation  # type: ignore[misc]
-    for name, field in SupervisorConfig.model_fields.items()
-}
+def _section_models() -> dict[str, type[BaseModel]]:
+    sections: dict[str, type[BaseModel]] = {}
+    for name, field in SupervisorConfig.model_fields.items():
+        model = field.annotation
+        # Every field of SupervisorConfig is a section model; a plain field added there by
+        # mistake fails here, at import, instead of confusing the env-value parsing below.
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise TypeError(f"SupervisorConfig.{name} is not a section model")
+        sections[name] = model
+    return sections
+
+
+SECTIONS = _section_models()
 
 
 class ConfigError(Exception):
@@ -255,13 +266,13 @@ def load_config(
     path: Path | None,
     *,
     env: Mapping[str, str] = os.environ,
-    overrides: Mapping[str, Any] = {},
+    overrides: Mapping[str, object] = {},
 ) -> SupervisorConfig:
     """Merge defaults < file < environment < overrides and validate; raise ConfigError."""
     problems: list[tuple[str, str]] = []
     # Where each (section, key) was last set from, so a problem names its source.
     origins: dict[tuple[str, str], str] = {}
-    raw: dict[str, Any] = {}
+    raw: dict[str, object] = {}
 
     if path is not None:
         raw = _read_toml(path, problems)
@@ -307,7 +318,7 @@ def load_config(
     return config
 
 
-def _read_toml(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any]:
+def _read_toml(path: Path, problems: list[tuple[str, str]]) -> dict[str, object]:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -319,7 +330,7 @@ def _read_toml(path: Path, problems: list[tuple[str, str]]) -> dict[str, Any]:
     return {}
 
 
-def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
+def _set(raw: dict[str, object], section: str, key: str, value: object) -> None:
     table = raw.setdefault(section, {})
     # A section that is not a table is already an error pydantic will report; do not hide it.
     if isinstance(table, dict):
@@ -338,7 +349,7 @@ def _field_wants_string(section: str, key: str) -> bool:
     return bool(args) and all(isinstance(a, str) for a in args)  # Literal["json", ...]
 
 
-def _env_value(section: str, key: str, text: str) -> Any:
+def _env_value(section: str, key: str, text: str) -> object:
     """An env value is a TOML value when it parses as exactly one (lists, ints, inline
     tables, quoted strings), otherwise the raw string, so `https://x` needs no quoting.
     For a text key, only a TOML string counts: issuer `123` stays the string "123"."""
@@ -355,7 +366,7 @@ def _env_value(section: str, key: str, text: str) -> Any:
     return value
 
 
-def _describe(error: Any, origins: Mapping[tuple[str, str], str]) -> tuple[str, str]:
+def _describe(error: ErrorDetails, origins: Mapping[tuple[str, str], str]) -> tuple[str, str]:
     loc = tuple(str(part) for part in error["loc"])
     key = ".".join(loc) if loc else "(config)"
     if error["type"] == "extra_forbidden":
@@ -367,7 +378,8 @@ def _describe(error: Any, origins: Mapping[tuple[str, str], str]) -> tuple[str, 
         if message.startswith("Value error, "):
             message = message[len("Value error, "):]
     if len(loc) >= 2:
-        sources = [origins[loc[:2]]] if loc[:2] in origins else []
+        where = (loc[0], loc[1])
+        sources = [origins[where]] if where in origins else []
     else:
         # An unknown section: name every source that set a key in it.
         sources = sorted({o for (section, _), o in origins.items() if loc and section == loc[0]})
@@ -376,20 +388,22 @@ def _describe(error: Any, origins: Mapping[tuple[str, str], str]) -> tuple[str, 
     return key, message
 
 
-def masked_dict(config: SupervisorConfig) -> dict[str, Any]:
+def masked_dict(config: SupervisorConfig) -> dict[str, JsonValue]:
     """The effective configuration as JSON-ready data, secrets masked.
 
     Nothing in the configuration is secret today (the JWKS is a public key file); any key whose
     name contains one of SECRET_KEY_MARKERS is masked so a future secret is safe by default.
     """
-    return _mask(config.model_dump(mode="json"))
+    return _mask_table(config.model_dump(mode="json"))
 
 
-def _mask(value: Any) -> Any:
+def _mask_table(table: Mapping[str, JsonValue]) -> dict[str, JsonValue]:
+    return {k: MASK if _is_secret_name(k) else _mask(v) for k, v in table.items()}
+
+
+def _mask(value: JsonValue) -> JsonValue:
     if isinstance(value, dict):
-        return {
-            k: MASK if _is_secret_name(k) else _mask(v) for k, v in value.items()
-        }
+        return _mask_table(value)
     if isinstance(value, list):
         return [_mask(v) for v in value]
     return value

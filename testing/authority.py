@@ -52,7 +52,8 @@ class _Omit:
         return "OMIT"
 
 
-# Pass as a claim or header value to delete that member instead of setting it.
+# Pass as a claim or header value to delete that member instead of setting it. Typed Any
+# because it stands in for a value of any claim's type, typed arguments of claims_for included.
 OMIT: Any = _Omit()
 
 

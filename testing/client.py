@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,13 +38,27 @@ NON_CLAIMING_CODES = frozenset({"too_many_processes", "idempotency_key_reused"})
 RECORD_RETRIES = 3
 RECORD_RETRY_DELAY_S = 0.2
 
+# A frame, or a body within one, as json.loads gives it: the client reads the wire as the
+# documented JSON rather than through the daemon's models, so values are whatever JSON holds.
+JsonObject = dict[str, Any]
+
+
+class UnexpectedMessage(Exception):
+    """The daemon sent something that is not a JSON object where a frame (or a body) goes."""
+
+
+def _object(value: object, what: str) -> JsonObject:
+    if not isinstance(value, dict):
+        raise UnexpectedMessage(f"{what} is not a JSON object: {value!r:.200}")
+    return value
+
 
 class CallNotAnswered(Exception):
     """The daemon answered a tool.call with an `error` frame instead of a result: the frame
     was refused (invalid_frame, generation_mismatch …), or (`internal`) the call or its result
     could not be recorded. `retryable` when sending it again with the same key is the fix."""
 
-    def __init__(self, call_id: str, body: dict, *, keyed: bool) -> None:
+    def __init__(self, call_id: str, body: JsonObject, *, keyed: bool) -> None:
         super().__init__(f"error frame for call {call_id}: {body}")
         self.call_id = call_id
         self.code = body.get("code")
@@ -68,7 +82,11 @@ class Endpoint:
         return cls(tcp=(host.strip("[]"), int(port)))
 
     def __str__(self) -> str:
-        return f"unix:{self.unix}" if self.unix else f"{self.tcp[0]}:{self.tcp[1]}"
+        return f"unix:{self.unix}" if self.unix is not None else self._host_port()
+
+    def _host_port(self) -> str:
+        assert self.tcp is not None, "an Endpoint has tcp or unix"
+        return f"{self.tcp[0]}:{self.tcp[1]}"
 
     async def open_stream(self) -> trio.SocketStream:
         if self.unix is not None:
@@ -78,7 +96,7 @@ class Endpoint:
 
     @property
     def host_header(self) -> str:
-        return "localhost" if self.unix else f"{self.tcp[0]}:{self.tcp[1]}"
+        return "localhost" if self.unix is not None else self._host_port()
 
 
 class UpgradeRejected(Exception):
@@ -175,8 +193,14 @@ async def open_websocket(
         raise
 
 
-def default_bootstrap_body(session_id: str, cwd: str, profile: str = "default", **extra: Any) -> dict:
-    body = {"sessionId": session_id, "agent": {"cwd": cwd, "profile": profile}, "repositories": []}
+def default_bootstrap_body(
+    session_id: str, cwd: str, profile: str = "default", **extra: Any
+) -> JsonObject:
+    body: JsonObject = {
+        "sessionId": session_id,
+        "agent": {"cwd": cwd, "profile": profile},
+        "repositories": [],
+    }
     body.update(extra)
     return body
 
@@ -186,7 +210,7 @@ class SessionState:
     """What a control plane keeps about its session between connections."""
 
     generation: int = 0
-    events: dict[int, dict] = field(default_factory=dict)  # seq → frame, as stored
+    events: dict[int, JsonObject] = field(default_factory=dict)  # seq → frame, as stored
     acked: int = 0  # the highest seq acked to the daemon (it may have pruned up to there)
     # For each call sent: the highest seq stored when it was sent. Its result is journaled
     # after that, so an older result with the same call_id or key is not its answer.
@@ -204,7 +228,7 @@ class SessionState:
             floor += 1
         return floor
 
-    def results(self) -> dict[str, dict]:
+    def results(self) -> dict[str, JsonObject]:
         """tool.result bodies by call_id, from the stored events."""
         return {
             frame["body"]["call_id"]: frame["body"]
@@ -307,7 +331,7 @@ class ControlClient:
             yield ControlSession(self, ws, generation, attempt_id)
 
 
-def _non_claiming(body: dict) -> bool:
+def _non_claiming(body: JsonObject) -> bool:
     return not body.get("ok") and body.get("error", {}).get("code") in NON_CLAIMING_CODES
 
 
@@ -323,7 +347,7 @@ class ControlSession:
         self.attempt_id = attempt_id
         self.keys: dict[str, str] = {}  # call_id → idempotency key of the calls sent here
 
-    async def send(self, kind: str, body: dict, *, generation: int | None = None) -> None:
+    async def send(self, kind: str, body: JsonObject, *, generation: int | None = None) -> None:
         frame = {
             "kind": kind,
             "connectionGeneration": self.generation if generation is None else generation,
@@ -331,16 +355,19 @@ class ControlSession:
         }
         await self.ws.send_message(json.dumps(frame, separators=(",", ":")))
 
-    async def receive(self, timeout: float = 10.0) -> dict:
-        """The next frame; journaled events are stored in the client's session state."""
+    async def receive(self, timeout: float = 10.0) -> JsonObject:
+        """The next frame; journaled events are stored in the client's session state.
+        UnexpectedMessage when the message is not a JSON object."""
         with trio.fail_after(timeout):
             raw = await self.ws.get_message()
-        frame = json.loads(raw)
-        if isinstance(frame, dict) and isinstance(frame.get("seq"), int):
+        frame = _object(json.loads(raw), "a frame")
+        if isinstance(frame.get("seq"), int):
             self.client.state.events.setdefault(frame["seq"], frame)
         return frame
 
-    async def bootstrap(self, body: dict | None = None, *, cwd: str | None = None) -> dict:
+    async def bootstrap(
+        self, body: JsonObject | None = None, *, cwd: str | None = None
+    ) -> JsonObject:
         """Send session.bootstrap; return runtime.state, or raise BootstrapRejected after
         sending the rejection receipt (close 4400) as the protocol asks."""
         if body is None:
@@ -367,7 +394,7 @@ class ControlSession:
     async def call(
         self,
         tool_name: str,
-        parameters: dict,
+        parameters: JsonObject,
         *,
         idempotency_key: str | None = None,
         call_id: str | None = None,
@@ -383,7 +410,9 @@ class ControlSession:
             self.keys[call_id] = idempotency_key
         return call_id
 
-    async def receive_until(self, predicate, timeout: float = 10.0) -> dict:
+    async def receive_until(
+        self, predicate: Callable[[JsonObject], bool], timeout: float = 10.0
+    ) -> JsonObject:
         """Receive (storing events) until a frame satisfies `predicate`; return it."""
         with trio.fail_after(timeout):
             while True:
@@ -391,7 +420,7 @@ class ControlSession:
                 if predicate(frame):
                     return frame
 
-    async def result(self, call_id: str, timeout: float = 10.0) -> dict:
+    async def result(self, call_id: str, timeout: float = 10.0) -> JsonObject:
         """The outcome of a call: its tool.result body, or the original one carried by a
         tool.replayed. After a tool.pending the result of the first execution (same
         idempotency key, the first call's call_id) is awaited. Raises CallNotAnswered when
@@ -400,9 +429,9 @@ class ControlSession:
         after = self.client.state.sent_after.get(call_id, -1)
         pending = False  # set by a tool.pending: then the first execution's result answers
 
-        def stored() -> dict | None:
+        def stored() -> JsonObject | None:
             for seq, frame in sorted(self.client.state.events.items()):
-                body = frame.get("body", {})
+                body = _object(frame.get("body", {}), "a frame's body")
                 if frame.get("kind") != "tool.result" or seq <= after:
                     continue  # journaled before this call was sent: another call's answer
                 if body.get("call_id") == call_id:
@@ -417,9 +446,10 @@ class ControlSession:
         with trio.fail_after(timeout):
             while True:
                 frame = await self.receive(timeout=timeout)
-                kind, body = frame.get("kind"), frame.get("body", {})
+                kind, body = frame.get("kind"), _object(frame.get("body", {}), "a frame's body")
                 if kind == "tool.replayed" and body.get("call_id") == call_id:
-                    return body["original"]["body"]
+                    original = _object(body.get("original"), "tool.replayed original")
+                    return _object(original.get("body"), "tool.replayed original body")
                 if kind == "tool.pending" and body.get("call_id") == call_id:
                     pending = True
                 # An error about the tool.call itself (exec.* frames for the same call get
@@ -433,20 +463,29 @@ class ControlSession:
                     if found is not None:
                         return found
 
-    async def call_and_wait(self, tool_name: str, parameters: dict, **kwargs: Any) -> dict:
+    async def call_and_wait(
+        self,
+        tool_name: str,
+        parameters: JsonObject,
+        *,
+        idempotency_key: str | None = None,
+        call_id: str | None = None,
+    ) -> JsonObject:
         """Call and wait for the outcome. When the daemon could not record the call or its
         result (a full disk, say) and the call has a key, send it again with the same key,
         as docs/protocol.md §8 says a control plane should: the call still runs at most once."""
         for attempt in range(RECORD_RETRIES + 1):
-            call_id = await self.call(tool_name, parameters, **kwargs)
+            sent = await self.call(
+                tool_name, parameters, idempotency_key=idempotency_key, call_id=call_id
+            )
             try:
-                return await self.result(call_id)
+                return await self.result(sent)
             except CallNotAnswered as refused:
                 if not refused.retryable or attempt == RECORD_RETRIES:
                     raise
             # A retry is a new call with the same key: under the old call_id the daemon may
             # still journal the first call's own result (a refusal that freed the key).
-            kwargs.pop("call_id", None)
+            call_id = None
             await trio.sleep(RECORD_RETRY_DELAY_S)
         raise AssertionError("unreachable")
 
@@ -457,6 +496,8 @@ class ControlSession:
                 while True:
                     await self.ws.get_message()
             except trio_websocket.ConnectionClosed as exc:
+                # None only before a close; trio-websocket records the reason, then raises.
+                assert exc.reason is not None
                 return exc.reason
 
 

@@ -16,13 +16,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from sandbox_supervisor.testing._groups import single_leaf
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.client import ControlClient, Endpoint
+
+if TYPE_CHECKING:  # the daemon is imported where it is started, not with the client
+    from sandbox_supervisor.daemon.app import Supervisor
+    from sandbox_supervisor.daemon.config import SupervisorConfig
+    from sandbox_supervisor.daemon.edge.server import BoundListeners
 
 DEFAULT_SANDBOX_ID = "sbx-test-0001"
 START_TIMEOUT_S = 20.0
@@ -78,7 +83,7 @@ class DaemonLayout:
             config.setdefault(section, {}).update(values)
         return config
 
-    def config(self):
+    def config(self) -> SupervisorConfig:
         from sandbox_supervisor.daemon.config import SupervisorConfig
 
         return SupervisorConfig.model_validate(self.config_dict())
@@ -132,9 +137,9 @@ class RunningDaemon:
     layout: DaemonLayout
     tcp: Endpoint
     unix: Endpoint
-    supervisor: Any = None  # the in-process Supervisor (None for a subprocess)
+    supervisor: Supervisor | None = None  # the in-process Supervisor (None for a subprocess)
 
-    def client(self, endpoint: Endpoint | None = None, **kwargs: Any) -> ControlClient:
+    def client(self, endpoint: Endpoint | None = None, **kwargs: str) -> ControlClient:
         kwargs.setdefault("sandbox_id", self.layout.sandbox_id)
         return ControlClient(endpoint or self.tcp, self.layout.authority, **kwargs)
 
@@ -155,7 +160,9 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
 
     result: dict[str, int] = {}
 
-    async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        task_status: trio.TaskStatus[tuple[Supervisor, BoundListeners]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
         result["exit"] = await run_supervisor(
             layout.config(), handle_signals=False, env={}, task_status=task_status
         )
@@ -183,7 +190,7 @@ class DaemonProcess:
         self.layout = layout
         self.log_path = layout.root / "daemon.log"
         self.extra_env = env or {}
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.running: RunningDaemon | None = None
 
     async def start(self, *, wait_ready: bool = True) -> RunningDaemon | None:
@@ -241,7 +248,7 @@ class DaemonProcess:
         except FileNotFoundError:
             return ""
 
-    def log_events(self) -> list[dict]:
+    def log_events(self) -> list[dict[str, Any]]:
         events = []
         for line in self.log_text().splitlines():
             try:

@@ -12,11 +12,12 @@ import hashlib
 import sys
 import tempfile
 from pathlib import Path
+from typing import TextIO
 
 import trio
 
 from sandbox_supervisor.testing.authority import LoopbackAuthority
-from sandbox_supervisor.testing.client import UpgradeRejected
+from sandbox_supervisor.testing.client import ControlSession, JsonObject, UpgradeRejected
 from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 ZERO = "0" * 40
@@ -27,7 +28,7 @@ def blob_sha(data: bytes) -> str:
 
 
 class Narrator:
-    def __init__(self, out) -> None:
+    def __init__(self, out: TextIO) -> None:
         self.out = out
         self.step = 0
 
@@ -42,11 +43,11 @@ class Narrator:
         print(f"      {text}", file=self.out, flush=True)
 
 
-def is_output(frame: dict, call_id: str) -> bool:
+def is_output(frame: JsonObject, call_id: str) -> bool:
     return frame.get("kind") == "exec.output" and frame["body"]["call_id"] == call_id
 
 
-async def run_shell_steps(n: Narrator, session) -> None:
+async def run_shell_steps(n: Narrator, session: ControlSession) -> None:
     # Output streams live, throttled, while the command runs.
     command = "for i in 1 2 3 4; do echo tick $i; sleep 0.2; done"
     call_id = await session.call("execute_shell_command", {"command": command}, idempotency_key="demo-ticks")
@@ -101,12 +102,14 @@ async def run_shell_steps(n: Narrator, session) -> None:
     )
 
 
-async def run_demo(root: Path, out=sys.stdout) -> int:
+async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
     n = Narrator(out)
     layout = make_layout(root, authority=LoopbackAuthority(kid="demo-key"))
     (layout.workspace / "README.md").write_text("# demo project\nhello\n")
     process = DaemonProcess(layout)
     running = await process.start()
+    # start() waits until the daemon listens (or raises), so both are there.
+    assert running is not None and process.proc is not None
     n.title("sandbox-supervisor demo: a real daemon on temporary directories")
     n.detail(f"daemon pid {process.proc.pid}, listening on {running.tcp} and {running.unix}")
     n.detail(f"state dir {layout.state_dir}, workspace {layout.workspace}")
@@ -188,7 +191,7 @@ async def run_demo(root: Path, out=sys.stdout) -> int:
     return 0 if code == 0 else 1
 
 
-def main(args=None) -> int:
+def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sandbox-supervisor-demo-") as tmp:
         return trio.run(run_demo, Path(tmp) / "demo")
 

@@ -24,12 +24,11 @@ def fuzz_examples(default: int) -> int:
     return max(default, int(raised)) if raised else default
 
 
-def fuzz_settings(default: int, **overrides) -> settings:
+def fuzz_settings(default: int) -> settings:
     """Hypothesis settings for a fuzz test: `default` inputs (or the raised count), no
     per-input deadline (a hang is caught by the parser's own bounds, not by a timer)."""
     return settings(
         max_examples=fuzz_examples(default),
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-        **overrides,
     )

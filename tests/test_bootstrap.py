@@ -77,7 +77,7 @@ async def test_accepted_bootstrap_reports_every_runtime_state_field(daemon, tran
         "ackFloor": 0,
         "localEventMax": 0,
         "oldestRetainedSeq": 1,
-        "supervisorVersion": daemon.supervisor.version,
+        "supervisorVersion": daemon.supervisor.status.version,
         "protocolVersion": 1,
         "scopes": ["files:read", "shell:exec"],
     }
@@ -180,12 +180,12 @@ async def test_receipt_makes_daemon_terminated_in_process(tmp_path, authority):
             assert health.status == 200
             await session.ws.aclose(4400, "bootstrap rejection received")
         with trio.fail_after(5):
-            await daemon.supervisor.stop_requested.wait()
+            await daemon.supervisor.status.stop_requested.wait()
         # From the receipt on, the gate refuses every upgrade until the process is gone.
-        assert daemon.supervisor.lifecycle is Lifecycle.TERMINATED
+        assert daemon.supervisor.status.lifecycle is Lifecycle.TERMINATED
         terminated = daemon.supervisor.store.snapshot().terminated
         assert terminated is not None and terminated.code == "profile_not_allowed"
-    assert daemon.supervisor.stop.exit_code == 78
+    assert daemon.supervisor.status.stop.exit_code == 78
 
 
 async def test_missing_receipt_closes_1011_after_budget(tmp_path, authority):
@@ -205,7 +205,7 @@ async def test_missing_receipt_closes_1011_after_budget(tmp_path, authority):
         assert (reason.code, reason.reason) == (1011, "Supervisor rejection receipt was not observed.")
         assert waited >= 0.25
         assert daemon.supervisor.store.snapshot().terminated is not None
-    assert daemon.supervisor.stop.exit_code == 78
+    assert daemon.supervisor.status.stop.exit_code == 78
 
 
 @pytest.mark.parametrize(

@@ -168,8 +168,8 @@ def test_connection_admitted_earlier_never_supersedes_a_later_one():
     from sandbox_supervisor.daemon.session.hub import Connection, SessionHub
 
     def conn(admission, generation):
-        headers = SimpleNamespace(generation=generation)
-        return Connection(ws=None, headers=headers, claims=None, admission=admission)
+        headers = SimpleNamespace(generation=generation, session_id="s")
+        return Connection(ws=None, headers=headers, claims=SimpleNamespace(scopes=[]), admission=admission)
 
     hub = SessionHub()
     later, earlier = conn(2, 6), conn(1, 5)
@@ -213,11 +213,11 @@ async def test_a_fenced_out_socket_cannot_bind_with_its_first_bootstrap(daemon):
             await stream.send_all(_upgrade_head(client, 2 + attempt, f"reset-{attempt}"))
             await trio.aclose_forcefully(stream)
             with trio.move_on_after(1):
-                while supervisor.fence_generation == 1:
+                while supervisor.status.fence_generation == 1:
                     await trio.sleep(0.01)
-            if supervisor.fence_generation > 1:
+            if supervisor.status.fence_generation > 1:
                 break
-        assert supervisor.fence_generation > 1, "no reset upgrade was admitted"
+        assert supervisor.status.fence_generation > 1, "no reset upgrade was admitted"
         # Nothing superseded the old socket: only the fence says it is out of date.
         assert supervisor.hub.authoritative is not None and supervisor.hub.authoritative.generation == 1
         with pytest.raises(trio_websocket.ConnectionClosed) as closed:

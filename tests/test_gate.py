@@ -186,9 +186,9 @@ async def test_row8_stale_generation(daemon, transport):
 
 
 async def test_order_draining_before_headers(daemon):
-    daemon.supervisor.lifecycle = Lifecycle.DRAINING
+    daemon.supervisor.status.lifecycle = Lifecycle.DRAINING
     error = await rejected(daemon.client(), header_overrides={H.GENERATION_HEADER: "0"})
-    daemon.supervisor.lifecycle = Lifecycle.SERVING
+    daemon.supervisor.status.lifecycle = Lifecycle.SERVING
     assert error.error == "draining"
 
 

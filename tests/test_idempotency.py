@@ -192,8 +192,8 @@ async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(
 
     from sandbox_supervisor.protocol.tools import TOOL_SCOPES
     from sandbox_supervisor.daemon.state.journal import Journal
-    from sandbox_supervisor.daemon.runtime import file_tools
     from sandbox_supervisor.daemon.runtime.calls import MAX_CALLS_IN_FLIGHT, CallContext, CallRunner
+    from sandbox_supervisor.daemon.runtime.tools import read_file
     from sandbox_supervisor.daemon.state.store import StateStore
 
     workspace = tmp_path / "ws"
@@ -213,8 +213,7 @@ async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(
     with StateStore.open(tmp_path / "state") as store:
         journal = Journal(store)
         async with trio.open_nursery() as nursery:
-            runner = CallRunner(store, journal, nursery)
-            file_tools.register(runner)
+            runner = CallRunner(store, journal, nursery, {"read_file": read_file.bind(None)})
             for _ in range(MAX_CALLS_IN_FLIGHT):
                 await runner.in_flight.acquire()
             nursery.start_soon(runner.submit, body, context, reply, lambda: fenced["generation"] == 1)
@@ -277,11 +276,14 @@ async def test_a_refusal_kept_unjournaled_frees_the_key_when_it_returns(tmp_path
     from sandbox_supervisor.daemon.state.journal import Journal
     from sandbox_supervisor.daemon.runtime.calls import CallContext, CallRunner
     from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+    from sandbox_supervisor.daemon.runtime.tool import Tool
+    from sandbox_supervisor.protocol.frames import ReadFileResult
+    from sandbox_supervisor.protocol.tools import ReadFileParams
     from sandbox_supervisor.daemon.state.store import StateStore, StoreError
 
     busy = {"refuse": True}
 
-    async def tool(running, runner):
+    async def tool(running):
         if busy["refuse"]:
             raise ToolFailure(TOO_MANY_PROCESSES, "busy")
         return {"ran": running.call.call_id}
@@ -307,8 +309,7 @@ async def test_a_refusal_kept_unjournaled_frees_the_key_when_it_returns(tmp_path
             raise StoreError("database or disk is full")
         monkeypatch.setattr(store, "release_call", refuse_once)
         async with trio.open_nursery() as nursery:
-            runner = CallRunner(store, journal, nursery)
-            runner.register("read_file", tool)
+            runner = CallRunner(store, journal, nursery, {"read_file": Tool("read_file", ReadFileParams, ReadFileResult, run=tool)})
             await runner.submit(call(first), context, reply)
             await trio.testing.wait_all_tasks_blocked()
             assert [r["kind"] for r in replies] == ["error"] and journal.last_seq == 0

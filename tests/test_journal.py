@@ -8,6 +8,12 @@ import trio
 from sandbox_supervisor.testing.daemon import in_process_daemon
 
 
+def tool_result(**result: object) -> dict:
+    """A valid tool.result body (the journal validates every event) carrying `result`."""
+    return {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": None,
+            "tool_name": "read_file", "ok": True, "result": result}
+
+
 async def make_events(session, count: int, path: str = "note.txt") -> list[str]:
     """Produce `count` journaled events (read_file results) and wait for them all."""
     call_ids = [await session.call("read_file", {"path": path}) for _ in range(count)]
@@ -137,13 +143,13 @@ def test_frames_from_memory_match_the_store_including_pruning(tmp_path):
 
     with StateStore.open(tmp_path / "state") as store:
         journal = Journal(store)
-        journal.append([("tool.result", {"n": i, "text": "é\u2028"}) for i in range(10)])
+        journal.append([("tool.result", tool_result(n=i, text="é\u2028")) for i in range(10)])
         assert journal.frames_after(3, 4) == store.events_after(3, 4)
         assert [seq for seq, _ in journal.frames_after(3, 4)] == [4, 5, 6, 7]
         journal.acknowledge(6)
         assert journal.frames_after(0, 100) == store.events_after(0, 100)
         assert [seq for seq, _ in journal.frames_after(0, 100)] == [7, 8, 9, 10]
-        journal.append([("tool.result", {"n": i}) for i in range(RECENT_FRAMES + 5)])
+        journal.append([("tool.result", tool_result(n=i)) for i in range(RECENT_FRAMES + 5)])
         # Older than what memory holds: served from the store, identically.
         assert journal.frames_after(7, 3) == store.events_after(7, 3)
         assert journal.frames_after(journal.last_seq - 2, 10) == store.events_after(journal.last_seq - 2, 10)
@@ -159,7 +165,7 @@ def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_pa
     with StateStore.open(tmp_path / "state") as store:
         journal = Journal(store)
         for _ in range(40):
-            journal.append([("tool.result", {"content": big})])
+            journal.append([("tool.result", tool_result(content=big))])
         held = sum(len(frame) for _, frame in journal.recent)
         assert 0 < held <= RECENT_MAX_CHARS
         seqs = [seq for seq, _ in journal.recent]

@@ -726,7 +726,8 @@ def test_a_crash_while_recovery_applies_an_unplanned_patch_is_recovered_as_appli
     new content and answer base_sha_mismatch)."""
     import json
 
-    from sandbox_supervisor.daemon.runtime.file_tools import recover_patch_call
+    from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
+    from sandbox_supervisor.daemon.runtime.tools.apply_file_patch import recover
     from sandbox_supervisor.daemon.state.store import StateStore
 
     workspace = tmp_path / "ws"
@@ -739,8 +740,9 @@ def test_a_crash_while_recovery_applies_an_unplanned_patch_is_recovered_as_appli
         store.begin_call(
             key="k", tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent)
         )
-        first = recover_patch_call(store.call_record("k"), store)  # ...killed before complete_call
+        env = RecoveryEnv(store, tmp_path / "state")
+        first = recover(store.call_record("k"), env).body  # ...killed before complete_call
         assert (workspace / "f.txt").read_bytes() == new
-        second = recover_patch_call(store.call_record("k"), store)
+        second = recover(store.call_record("k"), env).body
     assert first["ok"] is True and second == first
     assert (workspace / "f.txt").read_bytes() == new

@@ -23,11 +23,17 @@ from sandbox_supervisor.daemon.state.store import (
     JtiReplayed,
     StateStore,
     StoreError,
-    encode_event_frame,
 )
 
 NOW = 1_700_000_000.0
 JTI_TTL = 330.0  # exp + leeway beyond NOW, as the gate would compute it
+
+
+def tool_result(**result: object) -> dict:
+    """A valid tool.result body (the journal validates every event) carrying `result`."""
+    return {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": None,
+            "tool_name": "read_file", "ok": True, "result": result}
+
 
 
 @pytest.fixture
@@ -87,7 +93,8 @@ def test_a_version_1_journal_is_migrated_with_its_events_intact(state_dir: Path)
     for statement in _MIGRATIONS[0]:
         if "processes" not in statement:
             conn.execute(statement)
-    old_frames = [(seq, encode_event_frame("exec.output", seq, {"n": seq, "text": "é\n"})) for seq in (1, 2, 3)]
+    # Written by the version-1 encoder (json.dumps), which a migration must not rewrite.
+    old_frames = [(seq, '{"kind":"exec.output","seq":%d,"body":{"n":%d,"text":"é\\n"}}' % (seq, seq)) for seq in (1, 2, 3)]
     conn.executemany(
         "INSERT INTO events (seq, kind, body_json, frame_json, created_at) VALUES (?, 'exec.output', '{}', ?, 0)",
         old_frames,
@@ -98,7 +105,7 @@ def test_a_version_1_journal_is_migrated_with_its_events_intact(state_dir: Path)
     conn.close()
     with StateStore.open(state_dir) as migrated:
         assert migrated.events_after(0, 10) == old_frames
-        rows = migrated.append_events([("tool.result", {"ok": True})])
+        rows = migrated.append_events([("tool.result", tool_result())])
         assert [seq for seq, _ in rows] == [4]
         assert migrated.recorded_processes() == []  # the table exists now
     conn = sqlite3.connect(state_dir / DB_FILENAME)
@@ -201,17 +208,15 @@ def test_terminated_flag_persists_and_keeps_the_first_reason(state_dir: Path) ->
 
 
 def test_append_events_assigns_dense_seqs_and_returns_stored_frames(store: StateStore) -> None:
-    frames = store.append_events(
-        [("exec.started", {"call_id": "c1", "pid": 7}), ("exec.output", {"text": "héllo"})],
-        now=NOW,
-    )
-    assert frames == [
-        (1, '{"kind":"exec.started","seq":1,"body":{"call_id":"c1","pid":7}}'),
-        (2, '{"kind":"exec.output","seq":2,"body":{"text":"héllo"}}'),
-    ]
-    assert store.append_events([("tool.result", {"ok": True})])[0][0] == 3
-    third = (3, encode_event_frame("tool.result", 3, {"ok": True}))
-    assert store.events_after(0, 10) == [*frames, third]
+    output = {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "stream": "stdout", "text": "héllo",
+              "offset": 0, "bytes": 6, "truncated": False, "dropped_bytes": 0, "after_exit": False}
+    frames = store.append_events([("exec.output", output), ("tool.result", tool_result(n=1))], now=NOW)
+    body = json.dumps(output, separators=(",", ":"), ensure_ascii=False)
+    assert frames[0] == (1, '{"kind":"exec.output","seq":1,"body":' + body + "}")
+    assert frames[1][0] == 2 and json.loads(frames[1][1]) == {"kind": "tool.result", "seq": 2, "body": tool_result(n=1)}
+    third = store.append_events([("tool.result", tool_result(n=3))])
+    assert third[0][0] == 3
+    assert store.events_after(0, 10) == [*frames, *third]
     assert store.events_after(1, 1) == [frames[1]]
     assert store.append_events([]) == []
     assert store.snapshot().local_event_max == 3
@@ -219,27 +224,29 @@ def test_append_events_assigns_dense_seqs_and_returns_stored_frames(store: State
 
 def test_a_batch_with_a_bad_event_journals_nothing(store: StateStore) -> None:
     with pytest.raises(ValueError):
-        store.append_events([("exec.output", {"a": 1}), ("exec.output", {"x": float("nan")})])
+        store.append_events([("tool.result", tool_result()), ("exec.output", {"x": float("nan")})])
+    with pytest.raises(ValueError):
+        store.append_events([("tool.result", tool_result()), ("not.an.event", tool_result())])
     assert store.snapshot().local_event_max == 0
     assert store.events_after(0, 10) == []
 
 
 def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
-        store.append_events([("e", {"n": n}) for n in range(1, 6)], now=NOW)
+        store.append_events([("tool.result", tool_result(n=n)) for n in range(1, 6)], now=NOW)
         store.raise_ack_floor(5)
         assert store.prune_acked(5) == 5
         snap = store.snapshot()
         # Everything pruned: oldest retained is one past the max, and the max is kept.
         assert (snap.local_event_max, snap.oldest_retained_seq) == (5, 6)
     with StateStore.open(state_dir) as store:
-        assert [seq for seq, _ in store.append_events([("e", {}), ("e", {})])] == [6, 7]
+        assert [seq for seq, _ in store.append_events([("tool.result", tool_result()), ("tool.result", tool_result())])] == [6, 7]
         snap = store.snapshot()
         assert (snap.local_event_max, snap.oldest_retained_seq, snap.ack_floor) == (7, 6, 5)
 
 
 def test_prune_never_passes_the_ack_floor(store: StateStore) -> None:
-    store.append_events([("e", {}) for _ in range(4)], now=NOW)
+    store.append_events([("tool.result", tool_result()) for _ in range(4)], now=NOW)
     store.raise_ack_floor(2)
     assert store.prune_acked(4) == 2  # asked for 4, only 1..2 are acked
     assert [seq for seq, _ in store.events_after(0, 10)] == [3, 4]
@@ -248,7 +255,7 @@ def test_prune_never_passes_the_ack_floor(store: StateStore) -> None:
 
 def test_ack_floor_never_lowers_and_never_passes_the_journal(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
-        store.append_events([("e", {}) for _ in range(5)], now=NOW)
+        store.append_events([("tool.result", tool_result()) for _ in range(5)], now=NOW)
         assert store.raise_ack_floor(4) == 4
         assert store.raise_ack_floor(2) == 4
         with pytest.raises(AckAhead):
@@ -290,7 +297,9 @@ WRITER = textwrap.dedent(
     store.record_upgrade(generation=7, attempt_id="attempt-7", jti="jti-7",
                          jti_expires_at=2e9, now=1.7e9)
     store.bind("session-k", "f" * 64, "{}", 1.7e9)
-    store.append_events([("exec.output", {"n": n}) for n in range(3)], now=1.7e9)
+    body = {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": None,
+            "tool_name": "read_file", "ok": True}
+    store.append_events([("tool.result", {**body, "result": {"n": n}}) for n in range(3)], now=1.7e9)
     store.raise_ack_floor(2)
     print("ok", flush=True)
     time.sleep(60)
@@ -320,6 +329,6 @@ def test_writes_survive_kill_9_of_the_writer(state_dir: Path) -> None:
         assert snap.bound_session_id == "session-k"
         assert (snap.local_event_max, snap.ack_floor) == (3, 2)
         assert store.jti_seen("jti-7", 1.7e9)
-        assert [json.loads(f)["body"] for _, f in store.events_after(0, 10)] == [
+        assert [json.loads(f)["body"]["result"] for _, f in store.events_after(0, 10)] == [
             {"n": 0}, {"n": 1}, {"n": 2}
         ]

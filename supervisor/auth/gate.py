@@ -7,19 +7,16 @@ the I/O; nothing here touches a socket, a file or a clock.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.authority import AssertionClaims, AuthorityError
+from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.headers import RoutingHeaderError, RoutingHeaders, parse_routing_headers
+from sandbox_supervisor.daemon.status import Lifecycle
 
-
-class Lifecycle(enum.Enum):
-    SERVING = "serving"
-    DRAINING = "draining"
-    TERMINATED = "terminated"
+__all__ = ["Admit", "GateState", "Lifecycle", "Refuse", "decide_upgrade", "fence_admits", "refuse"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,13 +57,6 @@ class Refuse:
 def refuse(code: str, detail: str, headers: RoutingHeaders | None = None) -> Refuse:
     status, message = errors.HTTP_ERRORS[code]
     return Refuse(status, code, message, detail, headers)
-
-
-def fence_admits(generation: int, attempt_id: str, fence_generation: int, fence_attempt: str | None) -> bool:
-    """docs/protocol.md §4.1: a higher generation, or a retry of exactly the fenced attempt."""
-    if generation > fence_generation:
-        return True
-    return generation == fence_generation and attempt_id == fence_attempt
 
 
 def decide_upgrade(

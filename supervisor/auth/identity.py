@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 from sandbox_supervisor.protocol.headers import ID_PATTERN
 
-log = structlog.get_logger("supervisor.identity")
+log: FilteringBoundLogger = structlog.get_logger("supervisor.identity")
 
 SANDBOX_ID_ENV = "E2B_SANDBOX_ID"
 MAX_SANDBOX_ID_FILE_BYTES = 4096

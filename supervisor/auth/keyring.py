@@ -11,15 +11,17 @@ import os
 from pathlib import Path
 
 import structlog
+from joserfc.jwk import KeySet
+from structlog.typing import FilteringBoundLogger
 
 from sandbox_supervisor.protocol.authority import JwksError, load_jwks
 
-log = structlog.get_logger("supervisor.keyring")
+log: FilteringBoundLogger = structlog.get_logger("supervisor.keyring")
 
 MAX_JWKS_BYTES = 1024 * 1024
 
 
-def _read(path: Path):
+def _read(path: Path) -> KeySet:
     with open(path, "rb") as handle:
         data = handle.read(MAX_JWKS_BYTES + 1)
     if len(data) > MAX_JWKS_BYTES:
@@ -57,7 +59,7 @@ class KeyRing:
         log.info("jwks.reloaded", reason=reason)
         return True
 
-    def current(self):
+    def current(self) -> KeySet:
         """The key set, reloaded first if the file changed since it was last read."""
         stamp = _stamp(self.path)
         if stamp != self._stamp:

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import structlog
 import trio
+from structlog.typing import FilteringBoundLogger
 
 from sandbox_supervisor.daemon.edge.server import BoundListeners, open_listeners
 
-log = structlog.get_logger("supervisor.activation")
+log: FilteringBoundLogger = structlog.get_logger("supervisor.activation")
 
 SD_LISTEN_FDS_START = 3
 LISTEN_PID_ENV = "LISTEN_PID"
@@ -181,12 +182,10 @@ def _describe(fd: int, name: str) -> InheritedSocket:
 
 
 def format_address(family: int, sockname: object) -> str:
-    if family == socket.AF_INET:
-        host, port = sockname[:2]  # type: ignore[index]
-        return f"{host}:{port}"
-    if family == socket.AF_INET6:
-        host, port = sockname[:2]  # type: ignore[index]
-        return f"[{host}]:{port}"
+    # getsockname() gives (host, port, ...) for the inet families, a str or bytes for unix.
+    if family in (socket.AF_INET, socket.AF_INET6) and isinstance(sockname, tuple):
+        host, port = sockname[0], sockname[1]
+        return f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
     if family == socket.AF_UNIX:
         path = os.fsdecode(sockname) if isinstance(sockname, bytes) else str(sockname)
         return "@" + path[1:] if path.startswith("\0") else path

@@ -42,7 +42,7 @@ UNIX_PROBE_TIMEOUT_S = 1.0
 
 
 class ConnectionApp(Protocol):
-    """What the front needs from the daemon (the real one is `supervisor.app.Supervisor`)."""
+    """What the front needs from the daemon (the real one is `app.DaemonFront`)."""
 
     route_paths: http_front.RoutePaths
     handshake_timeout_s: float

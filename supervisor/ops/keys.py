@@ -102,7 +102,7 @@ def write_key_pair(
     return key_path, jwks_path
 
 
-def _json_bytes(data: Any) -> bytes:
+def _json_bytes(data: object) -> bytes:
     return (json.dumps(data, indent=2) + "\n").encode()
 
 

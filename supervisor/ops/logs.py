@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO
+from typing import TextIO, cast
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -55,12 +56,16 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=_SafeWriter(stream or sys.stderr)),
+        # PrintLogger only print()s to its file, which needs write and flush alone: the
+        # cast states that _SafeWriter is enough of a TextIO for that.
+        logger_factory=structlog.PrintLoggerFactory(
+            file=cast(TextIO, _SafeWriter(stream or sys.stderr))
+        ),
         cache_logger_on_first_use=False,
     )
 
 
-def safe_log(logger, event: str, **fields) -> None:
+def safe_log(logger: FilteringBoundLogger, event: str, **fields: object) -> None:
     """Emit a log fact whose failure must not matter (startup-stage facts, docs/protocol.md §5.2)."""
     try:
         logger.info(event, **fields)

@@ -11,29 +11,38 @@ import enum
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import trio
 
 from sandbox_supervisor.protocol import errors
-from sandbox_supervisor.protocol.tools import (
-    TOOL_SCOPES,
-    ToolCall,
-    ToolCallError,
-    call_digest,
-    is_call_id,
-    parse_tool_call,
+from sandbox_supervisor.protocol.frames import (
+    ErrorBody,
+    ErrorFrame,
+    ToolPendingBody,
+    ToolPendingFrame,
+    encode_frame,
+    encode_replayed,
+)
+from sandbox_supervisor.protocol.tools import ToolCall, ToolCallError, call_digest, is_call_id, parse_tool_call
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.tool import (
+    CallContext,
+    RunningCall,
+    SendReply,
+    Tool,
+    result_body,
 )
 from sandbox_supervisor.daemon.state.journal import Journal
-from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
+from sandbox_supervisor.daemon.telemetry import Telemetry
+
+__all__ = ["CallContext", "CallRunner", "Outcome", "RunningCall", "SendReply", "error_frame", "idempotency_outcome"]
 
 log = structlog.get_logger("supervisor.calls")
-
-Reply = Callable[[str], Awaitable[None]]
 
 # Refusals that happen before any side effect and for a reason that passes: the key is
 # freed with the result, so the same call can be retried with the same key later.
@@ -54,57 +63,42 @@ UNJOURNALED_KEYLESS_MESSAGE = "The supervisor could not record the call's result
 UNJOURNALED_KEYED_MESSAGE = (
     "The supervisor could not record the call's result yet; retry with the same idempotency key."
 )
+NOT_RECORDED_MESSAGE = "The supervisor could not record the call; nothing was run."
 STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
+KEY_REUSED_MESSAGE = "The idempotency key was used for a different call."
+TOOL_CRASHED_MESSAGE = "The supervisor failed to run the tool."
 
 
 class Outcome(enum.Enum):
     RUN = "run"  # a new key (or no key): execute now
     REPLAY = "replay"  # completed with the same digest: send the original result again
     PENDING = "pending"  # the first execution is still running: the one result will come
+    JOURNAL_KEPT = "journal_kept"  # it finished, but its result was not journaled: do it now
     KEY_REUSED = "key_reused"  # same key, different call: refuse, run nothing
 
 
-def idempotency_outcome(existing: CallRecord | None, digest: str) -> Outcome:
-    """docs/protocol.md §8 as a pure decision over the record `begin_call` found (None: it wrote
-    a new pending record)."""
+def idempotency_outcome(existing: CallRecord | None, digest: str, *, kept: bool = False) -> Outcome:
+    """docs/protocol.md §8 as a pure decision over the record `begin_call` found (None: it
+    wrote a new pending record) and whether this daemon keeps an unjournaled result for the
+    key (a pending record whose execution has in fact finished)."""
     if existing is None:
         return Outcome.RUN
     if existing.digest != digest:
         return Outcome.KEY_REUSED
-    return Outcome.REPLAY if existing.state == "completed" else Outcome.PENDING
+    if existing.state == "completed":
+        return Outcome.REPLAY
+    return Outcome.JOURNAL_KEPT if kept else Outcome.PENDING
 
 
-@dataclass(frozen=True, slots=True)
-class CallContext:
-    """What a call may touch, captured when it is accepted and kept for its whole run (a
-    later connection's claims never widen or narrow a call already running)."""
-
-    session_id: str
-    generation: int
-    cwd: str
-    agent_env: dict[str, str]
-    scopes: frozenset[str]
-    allowed_paths: tuple[str, ...] | None
-    allowed_commands: tuple[str, ...] | None
+def error_frame(code: str, message: str, call_id: str | None = None) -> str:
+    return encode_frame(ErrorFrame(body=ErrorBody(code=code, message=message, call_id=call_id)))
 
 
-@dataclass(slots=True)
-class RunningCall:
-    call: ToolCall
-    context: CallContext
-    # Events a tool wants journaled in the same transaction as its tool.result (a shell
-    # command's last output and its exec.completed), so a crash cannot split them.
-    final_events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-    # The socket that sent the call, for a best-effort answer when its result cannot be
-    # journaled (the journal is how results normally travel).
-    reply: Reply | None = None
-
-    @property
-    def key(self) -> str | None:
-        return self.call.idempotency_key
+def pending_frame(call_id: str, key: str) -> str:
+    return encode_frame(ToolPendingFrame(body=ToolPendingBody(call_id=call_id, idempotency_key=key)))
 
 
-def _frees_key(running: RunningCall, body: dict[str, Any]) -> bool:
+def frees_key(running: RunningCall, body: dict[str, Any]) -> bool:
     """A refusal that started nothing, for a reason that passes: its result frees the key."""
     return (
         not body["ok"]
@@ -129,71 +123,34 @@ class _Unjournaled:
         )
 
 
-ToolFunction = Callable[[RunningCall, "CallRunner"], Awaitable[dict[str, Any]]]
-# A tool's synchronous fast path: the result at once, or None when the call needs the full
-# (awaiting) tool. It must not block for long: it runs in the socket's reader task.
-InlineFunction = Callable[[RunningCall, "CallRunner"], "dict[str, Any] | None"]
+def failure_body(call: ToolCall, exc: ToolFailure) -> dict[str, Any]:
+    return result_body(call.call_id, call.idempotency_key, call.tool_name, error=exc.to_error())
 
 
-def result_body(
-    call_id: str,
-    idempotency_key: str | None,
-    tool_name: str | None,
-    *,
-    result: dict[str, Any] | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "call_id": call_id,
-        "idempotency_key": idempotency_key,
-        "tool_name": tool_name,
-        "ok": error is None,
-    }
-    if error is None:
-        body["result"] = result
-    else:
-        body["error"] = error
-    return body
-
-
-def failure_error(failure: ToolFailure) -> dict[str, Any]:
-    return {"code": failure.code, "message": failure.message, **failure.details}
-
-
-def pending_frame(call_id: str, key: str) -> str:
-    return json.dumps(
-        {"kind": "tool.pending", "body": {"call_id": call_id, "idempotency_key": key}},
-        separators=(",", ":"),
-        ensure_ascii=False,
-    )
-
-
-def replayed_frame(call_id: str, key: str, original_frame: str) -> str:
-    """tool.replayed with the original tool.result embedded byte for byte as journaled."""
-    head = json.dumps({"call_id": call_id, "idempotency_key": key}, separators=(",", ":"), ensure_ascii=False)
-    return '{"kind":"tool.replayed","body":' + head[:-1] + ',"original":' + original_frame + "}}"
-
-
-def error_frame(code: str, message: str, call_id: str | None = None) -> str:
-    body: dict[str, Any] = {"code": code, "message": message}
-    if call_id is not None:
-        body["call_id"] = call_id
-    return json.dumps({"kind": "error", "body": body}, separators=(",", ":"), ensure_ascii=False)
+def crashed_body(call: ToolCall) -> dict[str, Any]:
+    """The result of a call whose tool raised something other than its typed failure: logged
+    with the traceback (called inside the `except`), `internal` on the wire."""
+    log.exception("tool.crashed", call_id=call.call_id, tool=call.tool_name)
+    error = {"code": errors.INTERNAL, "message": TOOL_CRASHED_MESSAGE}
+    return result_body(call.call_id, call.idempotency_key, call.tool_name, error=error)
 
 
 class CallRunner:
     """Accepts tool calls from attached sockets and runs them in the session's nursery."""
 
-    def __init__(self, store: StateStore, journal: Journal, nursery: trio.Nursery, telemetry=None) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        journal: Journal,
+        nursery: trio.Nursery,
+        tools: Mapping[str, Tool],
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.store = store
         self.telemetry = telemetry
         self.journal = journal
         self.nursery = nursery
-        self.tools: dict[str, ToolFunction] = {}
-        self.inline: dict[str, InlineFunction] = {}
-        # Patches are planned against a base sha and then written; two different keys
-        # patching the same file at once must not both pass the check against one base.
-        self.file_write_lock = trio.Lock()
+        self.tools = dict(tools)
         self.in_flight = trio.Semaphore(MAX_CALLS_IN_FLIGHT)
         # Finished calls whose result the database refused, by key, oldest first: retried
         # when the key comes back, so the client is not told tool.pending for a call that
@@ -201,25 +158,19 @@ class CallRunner:
         self.unjournaled: OrderedDict[str, _Unjournaled] = OrderedDict()
         self._unjournaled_chars = 0
 
-    def register(self, tool_name: str, function: ToolFunction, inline: InlineFunction | None = None) -> None:
-        self.tools[tool_name] = function
-        if inline is not None:
-            self.inline[tool_name] = inline
-
-    def journal_result(
-        self, key: str | None, body: dict[str, Any], preceding: Sequence[tuple[str, dict[str, Any]]] = ()
-    ) -> None:
-        self.journal.complete_call(key, body, preceding)
-        self._count(body)
-
     def _count(self, body: dict[str, Any]) -> None:
         if self.telemetry is not None:
             # Unknown tool names are folded into one label: the series count stays bounded.
-            tool = body["tool_name"] if body["tool_name"] in TOOL_SCOPES else "unknown"
+            tool = body["tool_name"] if body["tool_name"] in self.tools else "unknown"
             self.telemetry.tool_call(tool, "success" if body["ok"] else body["error"]["code"])
 
+    def _journal_refusal(self, body: dict[str, Any]) -> None:
+        """A refusal that claimed no key (invalid, forbidden, key reused): journaled only."""
+        self.journal.complete_call(None, body)
+        self._count(body)
+
     async def submit(
-        self, body: Any, context: CallContext, reply: Reply, may_act: Callable[[], bool] | None = None
+        self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool] | None = None
     ) -> None:
         """Validate and dispatch one `tool.call` body. Everything up to the pending record is
         synchronous, so duplicates arriving together are ordered by the store, not by luck."""
@@ -229,17 +180,11 @@ class CallRunner:
             # The state database refused (a full disk, say): the call was not recorded, so
             # nothing ran; the client gets a typed answer and may retry with the same key.
             log.exception("tool.record_failed")
-            call_id = body.get("call_id") if isinstance(body, dict) else None
-            await reply(
-                error_frame(
-                    errors.INTERNAL,
-                    "The supervisor could not record the call; nothing was run.",
-                    call_id if is_call_id(call_id) else None,
-                )
-            )
+            call_id = body.get("call_id")
+            await reply(error_frame(errors.INTERNAL, NOT_RECORDED_MESSAGE, call_id if is_call_id(call_id) else None))
 
     async def _submit(
-        self, body: Any, context: CallContext, reply: Reply, may_act: Callable[[], bool] | None
+        self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool] | None
     ) -> None:
         try:
             call = parse_tool_call(body)
@@ -247,29 +192,13 @@ class CallRunner:
             if exc.call_id is None:
                 await reply(error_frame(errors.INVALID_FRAME, exc.message))
                 return
-            self.journal_result(
-                None,
-                result_body(
-                    exc.call_id,
-                    exc.idempotency_key,
-                    exc.tool_name,
-                    error={"code": errors.INVALID_PARAMETERS, "message": exc.message},
-                ),
-            )
+            error = {"code": errors.INVALID_PARAMETERS, "message": exc.message}
+            self._journal_refusal(result_body(exc.call_id, exc.idempotency_key, exc.tool_name, error=error))
             return
-        if TOOL_SCOPES[call.tool_name] not in context.scopes:
-            self.journal_result(
-                None,
-                result_body(
-                    call.call_id,
-                    call.idempotency_key,
-                    call.tool_name,
-                    error={
-                        "code": errors.FORBIDDEN,
-                        "message": f"The connection lacks the {TOOL_SCOPES[call.tool_name]} scope.",
-                    },
-                ),
-            )
+        tool = self.tools[call.tool_name]
+        if tool.scope not in context.scopes:
+            error = {"code": errors.FORBIDDEN, "message": f"The connection lacks the {tool.scope} scope."}
+            self._journal_refusal(result_body(call.call_id, call.idempotency_key, call.tool_name, error=error))
             return
         await self.in_flight.acquire()
         if may_act is not None and not may_act():
@@ -287,108 +216,107 @@ class CallRunner:
         if run:
             running = RunningCall(call, context, reply=reply)
             try:
-                outcome = self._run_inline(running)
+                outcome = self._run_now(running, tool)
             except BaseException:
                 self.in_flight.release()
                 raise
             if outcome is None:
-                self.nursery.start_soon(self._run, running)
+                self.nursery.start_soon(self._run, running, tool)
                 return
             self.in_flight.release()
             if outcome is False:
                 await self._report_unjournaled(running)
 
-    async def _claim(self, call: ToolCall, context: CallContext, reply: Reply) -> bool:
+    async def _claim(self, call: ToolCall, context: CallContext, reply: SendReply) -> bool:
         """Claim the idempotency key (the store decides, synchronously, before any await) and
         answer a duplicate from the record. True when the call must run now."""
         key = call.idempotency_key
-        if key is not None:
-            digest = call_digest(call.tool_name, call.parameters)
-            existing = self.store.begin_call(
-                key=key,
-                tool_name=call.tool_name,
-                digest=digest,
-                call_id=call.call_id,
-                intent_json=json.dumps(
-                    {
-                        "parameters": call.parameters.model_dump(mode="json"),
-                        "cwd": context.cwd,
-                        "allowed_paths": context.allowed_paths,
-                        "session_id": context.session_id,
-                        "generation": context.generation,
-                    }
-                ),
-            )
-            outcome = idempotency_outcome(existing, digest)
-            if outcome is Outcome.REPLAY:
-                assert existing is not None and existing.result_frame is not None
-                await reply(replayed_frame(call.call_id, key, existing.result_frame))
-                return False
-            if outcome is Outcome.PENDING:
-                kept = self._take_unjournaled(key)
-                if kept is None:
-                    await reply(pending_frame(call.call_id, key))
-                    return False
-                # The first execution finished but its result was not journaled: try again.
-                frame = self._finish(kept.running, kept.body, kept.started)
-                if frame is None:
-                    await reply(error_frame(errors.INTERNAL, UNJOURNALED_KEYED_MESSAGE, call.call_id))
-                    return False
-                if _frees_key(kept.running, kept.body):
-                    # A refusal that ran nothing was journaled and freed the key with it:
-                    # this call is then a new execution, as it would have been at once.
-                    return await self._claim(call, context, reply)
-                await reply(replayed_frame(call.call_id, key, frame))
-                return False
-            if outcome is Outcome.KEY_REUSED:
-                self.journal_result(
-                    None,
-                    result_body(
-                        call.call_id,
-                        key,
-                        call.tool_name,
-                        error={
-                            "code": errors.IDEMPOTENCY_KEY_REUSED,
-                            "message": "The idempotency key was used for a different call.",
-                        },
-                    ),
-                )
-                return False
-        return True
+        if key is None:
+            return True
+        digest = call_digest(call.tool_name, call.parameters)
+        existing = self.store.begin_call(
+            key=key,
+            tool_name=call.tool_name,
+            digest=digest,
+            call_id=call.call_id,
+            intent_json=json.dumps(
+                {
+                    "parameters": call.parameters.model_dump(mode="json"),
+                    "cwd": context.cwd,
+                    "allowed_paths": context.allowed_paths,
+                    "session_id": context.session_id,
+                    "generation": context.generation,
+                }
+            ),
+        )
+        outcome = idempotency_outcome(existing, digest, kept=key in self.unjournaled)
+        if outcome is Outcome.RUN:
+            return True
+        if outcome is Outcome.KEY_REUSED:
+            error = {"code": errors.IDEMPOTENCY_KEY_REUSED, "message": KEY_REUSED_MESSAGE}
+            self._journal_refusal(result_body(call.call_id, key, call.tool_name, error=error))
+            return False
+        if outcome is Outcome.PENDING:
+            await reply(pending_frame(call.call_id, key))
+            return False
+        if outcome is Outcome.REPLAY:
+            assert existing is not None and existing.result_frame is not None
+            await reply(encode_replayed(call.call_id, key, existing.result_frame))
+            return False
+        # JOURNAL_KEPT: the first execution finished but its result was not journaled.
+        kept = self._take_unjournaled(key)
+        assert kept is not None
+        frame = self._finish(kept.running, kept.body, kept.started)
+        if frame is None:
+            await reply(error_frame(errors.INTERNAL, UNJOURNALED_KEYED_MESSAGE, call.call_id))
+            return False
+        if frees_key(kept.running, kept.body):
+            # A refusal that ran nothing was journaled and freed the key with it: this call
+            # is then a new execution, as it would have been at once.
+            return await self._claim(call, context, reply)
+        await reply(encode_replayed(call.call_id, key, frame))
+        return False
 
-    async def _run(self, running: RunningCall) -> None:
+    async def _run(self, running: RunningCall, tool: Tool) -> None:
         try:
-            await self._execute(running)
+            await self._execute(running, tool)
         finally:
             self.in_flight.release()
 
-    def _run_inline(self, running: RunningCall) -> bool | None:
+    def _run_now(self, running: RunningCall, tool: Tool) -> bool | None:
         """Finish a call on the spot when its tool has a fast path that answers now (a small
         read_file): no task to spawn and no scheduler pass before its result is journaled.
         Nothing here awaits, so the reader task it runs in cannot be cancelled half way.
         None when the call needs its own task; else whether its result was journaled."""
-        call = running.call
-        inline = self.inline.get(call.tool_name)
-        if inline is None:
+        if tool.run_now is None:
             return None
+        call = running.call
         started = time.monotonic()
         try:
-            result = inline(running, self)
+            result = tool.run_now(running)
             if result is None:
                 return None
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
-        except Exception as exc:
-            body = self._failure_body(call, exc)
+        except ToolFailure as exc:
+            body = failure_body(call, exc)
+        except Exception:  # see _execute: a tool's bug still owes its call one result
+            body = crashed_body(call)
         return self._finish(running, body, started) is not None
 
-    async def _execute(self, running: RunningCall) -> None:
+    async def _execute(self, running: RunningCall, tool: Tool) -> None:
         call = running.call
         started = time.monotonic()
         try:
-            result = await self.tools[call.tool_name](running, self)
+            result = await tool.run(running)
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
-        except Exception as exc:
-            body = self._failure_body(call, exc)
+        except ToolFailure as exc:
+            body = failure_body(call, exc)
+        except Exception:
+            # A bug in one tool must still give its call the one result it is owed (or its
+            # key would stay pending until a restart): `internal`, with the traceback in the
+            # log and never on the wire. Cancellation is not caught: the call stays pending
+            # and the next start reports it interrupted.
+            body = crashed_body(call)
         if self._finish(running, body, started) is None:
             await self._report_unjournaled(running)
 
@@ -411,7 +339,7 @@ class CallRunner:
         self.unjournaled[key] = kept
         self._unjournaled_chars += kept.chars
         # Past the bounds the oldest are dropped: their records stay pending, and the next
-        # start resolves them (docs/protocol.md §10.2), as it would have without this memory.
+        # start resolves them (§10.2), as it would have without this memory.
         while self.unjournaled and (
             len(self.unjournaled) > MAX_UNJOURNALED or self._unjournaled_chars > MAX_UNJOURNALED_CHARS
         ):
@@ -424,32 +352,17 @@ class CallRunner:
             self._unjournaled_chars -= kept.chars
         return kept
 
-    def _failure_body(self, call: ToolCall, exc: Exception) -> dict[str, Any]:
-        """The tool.result body of a tool that raised: its own typed failure, or `internal`
-        (logged with the traceback, which never reaches the peer)."""
-        if isinstance(exc, ToolFailure):
-            return result_body(call.call_id, call.idempotency_key, call.tool_name, error=failure_error(exc))
-        log.error("tool.crashed", call_id=call.call_id, tool=call.tool_name, exc_info=exc)
-        return result_body(
-            call.call_id,
-            call.idempotency_key,
-            call.tool_name,
-            error={"code": errors.INTERNAL, "message": "The supervisor failed to run the tool."},
-        )
-
     def _finish(self, running: RunningCall, body: dict[str, Any], started: float) -> str | None:
         """Journal the one tool.result (completing or freeing the key) and log the call; the
         journaled frame, or None when the database refused it."""
         call = running.call
         key = call.idempotency_key
         try:
-            if key is not None and _frees_key(running, body):
+            if key is not None and frees_key(running, body):
                 rows = self.journal.release_call(key, body)
-                self._count(body)
             else:
                 rows = self.journal.complete_call(key, body, running.final_events)
-                self._count(body)
-        except Exception:
+        except StoreError:
             # One call's failure to journal must not take the session's other calls down.
             # With a key the record stays pending: the result is kept here and journaled
             # when the key comes back (or the next start resolves the record, §10.2).
@@ -457,6 +370,7 @@ class CallRunner:
             if key is not None:
                 self._keep_unjournaled(key, _Unjournaled(running, body, started))
             return None
+        self._count(body)
         log.info(
             "tool.finished",
             call_id=call.call_id,

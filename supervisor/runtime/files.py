@@ -23,8 +23,7 @@ import hashlib
 import os
 import stat
 from pathlib import Path
-from typing import BinaryIO
-from typing import Any
+from typing import Any, BinaryIO, Literal
 
 from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
 from sandbox_supervisor.protocol.frames import ReadFileResult
@@ -51,6 +50,7 @@ def read_file_result(target: Path, display_path: str, params: ReadFileParams) ->
     else:
         raise ToolFailure(INTERNAL, "The file kept changing while it was read.")
     sha, size, chunk = read
+    encoding: Literal["utf-8", "base64"]
     try:
         content, encoding = chunk.decode("utf-8"), "utf-8"
     except UnicodeDecodeError:

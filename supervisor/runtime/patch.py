@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 from sandbox_supervisor.protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY
 from sandbox_supervisor.protocol.frames import PatchResult
@@ -65,7 +66,7 @@ from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.files import open_regular_file
 from sandbox_supervisor.daemon.state.fsutil import fsync_directory
 
-log = structlog.get_logger("supervisor.patch")
+log: FilteringBoundLogger = structlog.get_logger("supervisor.patch")
 
 __all__ = [
     "NEW_FILE_MODE",

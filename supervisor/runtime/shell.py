@@ -31,7 +31,7 @@ from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.runtime.oom import with_oom_score_adj
 from sandbox_supervisor.daemon.runtime import processes
-from sandbox_supervisor.daemon.runtime.calls import CallRunner, RunningCall
+from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
 from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
@@ -187,7 +187,7 @@ class ShellRuntime:
 
     # --- the tool ------------------------------------------------------------------------
 
-    async def execute(self, running: RunningCall, runner: CallRunner) -> dict[str, Any]:
+    async def execute(self, running: RunningCall) -> dict[str, Any]:
         call = running.call
         params = call.parameters
         assert isinstance(params, ExecuteShellCommandParams)

@@ -203,7 +203,9 @@ class SpoolWriter:
         self._total += len(data)
         room = 0 if self.write_error else self._cap - self._size
         wanted = min(len(data), room)
-        kept = self._write_all(memoryview(data)[:wanted]) if wanted and self._fd is not None else 0
+        kept = 0
+        if wanted and self._fd is not None:
+            kept = self._write_all(self._fd, memoryview(data)[:wanted])
         self._size += kept
         if kept < len(data) and not self._truncated:
             self._truncated = True
@@ -218,11 +220,11 @@ class SpoolWriter:
             # Best effort, like the bytes: the command and its result go on without it.
             self.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
 
-    def _write_all(self, data: memoryview) -> int:
+    def _write_all(self, fd: int, data: memoryview) -> int:
         written = 0
         while written < len(data):
             try:
-                written += os.write(self._fd, data[written:])  # type: ignore[arg-type]
+                written += os.write(fd, data[written:])
             except InterruptedError:
                 continue
             except OSError as exc:
@@ -306,8 +308,7 @@ def read_range(
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    ended = state is not None and state.ended
-    eof = ended and offset + len(data) >= state.kept  # type: ignore[union-attr]
+    eof = state is not None and state.ended and offset + len(data) >= state.kept
     return SpoolPage(data=data, eof=eof, truncated=state is not None and state.truncated)
 
 

@@ -1,4 +1,4 @@
-"""One authoritative socket per session (docs/protocol.md §4.2).
+"""One authoritative socket per session (docs/protocol.md §4).
 
 `SessionHub` is plain state: which connection is authoritative, and which connections are
 still open. Closing sockets is asynchronous, so superseding only *asks* the old connection to
@@ -8,7 +8,6 @@ the moment a newer socket is admitted, no frame of the old one can act.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import trio
@@ -21,23 +20,24 @@ from sandbox_supervisor.protocol.closes import (
     clip_close_reason,
 )
 from sandbox_supervisor.protocol.headers import RoutingHeaders
-
-_ids = itertools.count(1)
+from sandbox_supervisor.daemon.session.control import ControlChannel
 
 
 @dataclass(eq=False)
 class Connection:
-    """An accepted control socket and what the gate learned about it."""
+    """An accepted control socket, what the gate learned about it, and its protocol state."""
 
     ws: trio_websocket.WebSocketConnection
     headers: RoutingHeaders
     claims: AssertionClaims
-    id: int = field(default_factory=lambda: next(_ids))
     admission: int = 0  # the gate's admission order (see Admit.admission)
-    attached: bool = False  # the runtime handler is reading this socket's frames
     close_request: tuple[int, str] | None = None
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     last_inbound: float = 0.0
+    channel: ControlChannel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = ControlChannel(self.headers.session_id, self.headers.generation, self.claims.scopes)
 
     @property
     def generation(self) -> int:
@@ -51,7 +51,7 @@ class Connection:
         """
         if self.close_request is None:
             self.close_request = (code, clip_close_reason(reason))
-        self.attached = False
+        self.channel.close_requested()
         self.cancel_scope.cancel()
 
 
@@ -59,7 +59,6 @@ class SessionHub:
     def __init__(self) -> None:
         self.authoritative: Connection | None = None
         self.open: set[Connection] = set()
-        self.changed = trio.Event()  # set when the authoritative connection changes
         self._all_closed = trio.Event()
         self._all_closed.set()
 
@@ -78,8 +77,6 @@ class SessionHub:
         self.authoritative = conn
         if previous is not None and previous is not conn:
             previous.request_close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON)
-        self.changed.set()
-        self.changed = trio.Event()
         return previous
 
     def is_authoritative(self, conn: Connection) -> bool:

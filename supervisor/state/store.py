@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sandbox_supervisor.protocol.fencing import fence_admits
+from sandbox_supervisor.protocol.frames import encode_event
+
 DB_FILENAME = "supervisor.sqlite3"
 STATE_DIR_MODE = 0o700
 DB_FILE_MODE = 0o600
@@ -35,8 +38,6 @@ META_ACK_FLOOR = "ack_floor"
 # The last seq ever assigned. Seqs come from here, never from max(seq), so they stay dense and
 # are never reused after pruning or a restart.
 META_LAST_SEQ = "last_seq"
-
-_FRAME_SEPARATORS = (",", ":")
 
 # Process groups started for shell commands, kept until the group is gone, so that a
 # restarted daemon can kill what a crashed one left behind (docs/protocol.md §10.2).
@@ -101,22 +102,28 @@ assert len(_MIGRATIONS) == SCHEMA_VERSION
 
 
 class StoreError(Exception):
-    """The state could not be read or written (the gate answers 500 state_unavailable)."""
+    """The state could not be read or written: a fault of the database or the disk (the gate
+    answers 500 state_unavailable, a frame gets `internal`)."""
 
 
-class JtiReplayed(StoreError):
+class StoreRefusal(Exception):
+    """The store refused a write its rules forbid; nothing changed. Never a fault, and so
+    never a StoreError: a refusal must not turn into a 500 or an `internal`."""
+
+
+class JtiReplayed(StoreRefusal):
     """The assertion's jti is already in the replay cache."""
 
 
-class FenceRegressed(StoreError):
+class FenceRegressed(StoreRefusal):
     """An upgrade would lower the fence; the gate should have answered stale_generation."""
 
 
-class AlreadyBound(StoreError):
+class AlreadyBound(StoreRefusal):
     """bind() on a supervisor that is already bound (it serves one session for its life)."""
 
 
-class AckAhead(StoreError):
+class AckAhead(StoreRefusal):
     """An ack above the highest journaled seq: the floor may never pass the journal."""
 
 
@@ -162,22 +169,6 @@ class CallRecord:
 
 
 _CALL_COLUMNS = "key, tool_name, digest, call_id, state, result_seq, result_frame, intent_json"
-
-
-def _encode_body(body: dict[str, Any]) -> str:
-    # allow_nan=False: NaN is not JSON; a client could not parse the frame.
-    return json.dumps(body, separators=_FRAME_SEPARATORS, ensure_ascii=False, allow_nan=False)
-
-
-def _frame_from_body_json(kind: str, seq: int, body_json: str) -> str:
-    # Byte for byte what json.dumps of {"kind","seq","body"} gives, without encoding the
-    # body a second time (the frame is built on every event's hot path).
-    return '{"kind":' + json.dumps(kind, ensure_ascii=False) + ',"seq":' + str(seq) + ',"body":' + body_json + "}"
-
-
-def encode_event_frame(kind: str, seq: int, body: dict[str, Any]) -> str:
-    """The exact text journaled and sent: compact JSON, keys in the order kind, seq, body."""
-    return _frame_from_body_json(kind, seq, _encode_body(body))
 
 
 class StateStore:
@@ -360,9 +351,7 @@ class StateStore:
             conn.execute("DELETE FROM jti WHERE expires_at <= ?", (now,))
             meta = _read_meta(conn, META_FENCE_GENERATION, META_FENCE_ATTEMPT_ID)
             fence = int(meta.get(META_FENCE_GENERATION, 0))
-            if generation < fence or (
-                generation == fence and attempt_id != meta.get(META_FENCE_ATTEMPT_ID)
-            ):
+            if not fence_admits(generation, attempt_id, fence, meta.get(META_FENCE_ATTEMPT_ID)):
                 raise FenceRegressed(
                     f"generation {generation} does not pass the fence at generation {fence}"
                 )
@@ -565,13 +554,8 @@ class StateStore:
         last_seq = int(_read_meta(conn, META_LAST_SEQ).get(META_LAST_SEQ, 0))
         rows = []
         for offset, (kind, body) in enumerate(events, start=1):
-            if not isinstance(kind, str) or not kind:
-                raise ValueError("an event kind must be a non-empty string")
-            if not isinstance(body, dict):
-                raise ValueError("an event body must be a dict")
-            seq = last_seq + offset
-            body_json = _encode_body(body)
-            rows.append((seq, kind, _frame_from_body_json(kind, seq, body_json), now))
+            seq = last_seq + offset  # encode_event refuses (ValueError) an unknown kind or bad body
+            rows.append((seq, kind, encode_event(kind, seq, body), now))
         conn.executemany(
             "INSERT INTO events (seq, kind, frame_json, created_at) VALUES (?, ?, ?, ?)",
             rows,

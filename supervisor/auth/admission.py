@@ -1,0 +1,129 @@
+"""The upgrade gate's I/O: read the state, decide (`gate.decide_upgrade`), record an admitted
+attempt before its 101, and log the outcome (docs/protocol.md §2).
+
+The decision is the pure `gate` module; this is the thin part that touches the store, the key
+ring and the sandbox id file. Admit and record run without an await in between, so the
+decide-and-record pair is atomic on the trio thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import structlog
+
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.authority import (
+    AssertionClaims,
+    AuthorityError,
+    JwksError,
+    VerifierSettings,
+    verify_assertion,
+)
+from sandbox_supervisor.protocol.headers import RoutingHeaders
+from sandbox_supervisor.daemon.auth.gate import Admit, GateState, Refuse, decide_upgrade, refuse
+from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
+from sandbox_supervisor.daemon.auth.keyring import KeyRing
+from sandbox_supervisor.daemon.edge.http_front import RequestHead
+from sandbox_supervisor.daemon.ops.logs import safe_log
+from sandbox_supervisor.daemon.state.store import FenceRegressed, JtiReplayed, StateStore, StoreError
+from sandbox_supervisor.daemon.status import DaemonStatus
+from sandbox_supervisor.daemon.telemetry import Telemetry
+
+log = structlog.get_logger("supervisor")
+
+# The metrics label of an admitted upgrade (refusals are labelled with their code).
+UPGRADE_ACCEPTED = "accepted"
+
+
+class UpgradeAdmission:
+    def __init__(
+        self,
+        *,
+        store: StateStore,
+        keyring: KeyRing,
+        identity: SandboxIdentity,
+        status: DaemonStatus,
+        verifier: VerifierSettings,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self._store = store
+        self._keyring = keyring
+        self._identity = identity
+        self._status = status
+        self._verifier = verifier
+        self._telemetry = telemetry
+
+    def admit(self, head: RequestHead) -> Admit | Refuse:
+        now = time.time()
+        decision: Admit | Refuse
+        try:
+            snapshot = self._store.snapshot()
+            decision = decide_upgrade(
+                head.headers,
+                GateState(
+                    lifecycle=self._status.lifecycle,
+                    bound_session_id=snapshot.bound_session_id,
+                    local_event_max=snapshot.local_event_max,
+                    fence_generation=snapshot.fence_generation,
+                    fence_attempt_id=snapshot.fence_attempt_id,
+                ),
+                local_sandbox_id=self._identity.read,
+                verify=lambda headers: self._verify(headers, now),
+                jti_seen=lambda jti: self._store.jti_seen(jti, now),
+            )
+            if isinstance(decision, Admit):
+                decision = self._record(decision, now)
+        except StoreError as exc:
+            decision = refuse(errors.STATE_UNAVAILABLE, f"store: {type(exc).__name__}")
+        self._report(decision)
+        return decision
+
+    def _record(self, admit: Admit, now: float) -> Admit | Refuse:
+        """Fence and jti in one transaction, before the 101: an admitted attempt is durable
+        even if the daemon dies during the handshake. The store re-checks both rules inside
+        the transaction; its refusals are the peer's doing, answered as the gate would."""
+        try:
+            self._store.record_upgrade(
+                generation=admit.headers.generation,
+                attempt_id=admit.headers.attempt_id,
+                jti=admit.claims.jti,
+                jti_expires_at=admit.claims.exp + self._verifier.leeway_s,
+                now=now,
+            )
+        except JtiReplayed:
+            return refuse(errors.INVALID_AUTHORITY, "jti replayed", admit.headers)
+        except FenceRegressed:
+            return refuse(errors.STALE_GENERATION, "fence moved before the record", admit.headers)
+        self._status.fence_generation = admit.headers.generation
+        self._status.admissions += 1
+        return dataclasses.replace(admit, admission=self._status.admissions)
+
+    def _verify(self, headers: RoutingHeaders, now: float) -> AssertionClaims:
+        try:
+            keys = self._keyring.current()
+        except (OSError, JwksError) as exc:  # a broken key file is an auth failure, not a crash
+            raise AuthorityError("keys_unavailable") from exc
+        return verify_assertion(headers.authority or "", keys, self._verifier, headers, now)
+
+    def _report(self, decision: Admit | Refuse) -> None:
+        headers = decision.headers
+        ids = (
+            {"session_id": headers.session_id, "generation": headers.generation, "attempt_id": headers.attempt_id}
+            if headers is not None
+            else {}
+        )
+        if self._telemetry is not None:
+            self._telemetry.upgrade(UPGRADE_ACCEPTED if isinstance(decision, Admit) else decision.code)
+        if isinstance(decision, Admit):
+            safe_log(log, "upgrade.accepted", **ids)
+        else:
+            safe_log(
+                log,
+                "upgrade.rejected",
+                error=decision.code,
+                status=decision.status,
+                detail=decision.detail,
+                **ids,
+            )

@@ -1,0 +1,145 @@
+"""What a tool is to the daemon, and what a running call carries (docs/protocol.md §7).
+
+A tool is one module under `runtime/tools/` that declares its name and models (the wire half
+lives in `protocol.tools`, which clients and the JSON Schemas are generated from), how it runs,
+and how a call it left pending is completed after a crash; `runtime/tools/__init__.py` lists
+the modules. This module is the interface between them and the call runner, so neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+from pydantic import BaseModel
+
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.tools import TOOL_SCOPES, ToolCall
+from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
+
+# Sends one encoded, non-journaled frame to the socket that sent a call.
+SendReply = Callable[[str], Awaitable[None]]
+Event = tuple[str, dict[str, Any]]  # (kind, body) of an event to journal
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    """What a call may touch, captured when it is accepted and kept for its whole run (a
+    later connection's claims never widen or narrow a call already running)."""
+
+    session_id: str
+    generation: int
+    cwd: str
+    agent_env: dict[str, str]
+    scopes: frozenset[str]
+    allowed_paths: tuple[str, ...] | None
+    allowed_commands: tuple[str, ...] | None
+
+
+@dataclass(slots=True)
+class RunningCall:
+    call: ToolCall
+    context: CallContext
+    # Events a tool wants journaled in the same transaction as its tool.result (a shell
+    # command's last output and its exec.completed), so a crash cannot split them.
+    final_events: list[Event] = field(default_factory=list)
+    # The socket that sent the call, for a best-effort answer when its result cannot be
+    # journaled (the journal is how results normally travel).
+    reply: SendReply | None = None
+
+    @property
+    def key(self) -> str | None:
+        return self.call.idempotency_key
+
+
+class CommandService(Protocol):
+    """The shell runtime as the execute_shell_command tool uses it."""
+
+    async def execute(self, running: RunningCall) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ToolServices:
+    """What tools run with, built once by the app."""
+
+    store: StateStore
+    # Patches are planned against a base sha and then written; two different keys patching
+    # the same file at once must not both pass the check against one base.
+    file_write_lock: trio.Lock
+    shell: CommandService
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryEnv:
+    """What crash recovery has: it runs at start, before any nursery or socket."""
+
+    store: StateStore
+    state_dir: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """A pending call's completion: events to journal first, then its tool.result body."""
+
+    body: dict[str, Any]
+    preceding: list[Event] = field(default_factory=list)
+
+
+Run = Callable[[RunningCall], Awaitable[dict[str, Any]]]
+# A tool's synchronous fast path: the result at once, or None when the call needs the full
+# (awaiting) run. It must not block for long: it runs in the socket's reader task.
+RunNow = Callable[[RunningCall], "dict[str, Any] | None"]
+Recover = Callable[[CallRecord, RecoveryEnv], Recovered]
+
+
+class ToolModule(Protocol):
+    """What each module under runtime/tools/ declares."""
+
+    NAME: str
+    recover: Recover | None
+
+    def bind(self, services: ToolServices) -> Tool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    params: type[BaseModel]
+    result: type[BaseModel]
+    run: Run
+    run_now: RunNow | None = None
+
+    @property
+    def scope(self) -> str:
+        return TOOL_SCOPES[self.name]
+
+
+def result_body(
+    call_id: str,
+    idempotency_key: str | None,
+    tool_name: str | None,
+    *,
+    result: dict[str, Any] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A tool.result body: ok with `result`, or not with `error`."""
+    body: dict[str, Any] = {
+        "call_id": call_id,
+        "idempotency_key": idempotency_key,
+        "tool_name": tool_name,
+        "ok": error is None,
+    }
+    if error is None:
+        body["result"] = result
+    else:
+        body["error"] = error
+    return body
+
+
+def interrupted(message: str, **details: Any) -> dict[str, Any]:
+    """The error of a call a crash cut short (docs/protocol.md §10.2)."""
+    return {"code": errors.INTERRUPTED, "message": message, **details}

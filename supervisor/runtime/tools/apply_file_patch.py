@@ -1,0 +1,103 @@
+"""apply_file_patch (docs/protocol.md §7.5), and its crash recovery (§10.2).
+
+The decisions live in `paths` and `patch`; this module sequences them with the idempotency
+record: the planned result is recorded *before* the write, so after a crash the daemon can
+tell "written" from "not written" by the file's sha alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from sandbox_supervisor.protocol.frames import PatchResult
+from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
+from sandbox_supervisor.daemon.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
+from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.runtime.tool import (
+    Recovered,
+    RecoveryEnv,
+    RunningCall,
+    Tool,
+    ToolServices,
+    interrupted,
+    result_body,
+)
+from sandbox_supervisor.daemon.state.store import CallRecord
+
+NAME = "apply_file_patch"
+FILE_CHANGED_MESSAGE = "The supervisor stopped while applying the patch, and the file has changed since."
+
+
+def bind(services: ToolServices) -> Tool:
+    async def run(running: RunningCall) -> dict[str, Any]:
+        return await apply(running, services)
+
+    return Tool(NAME, ApplyFilePatchParams, PatchResult, run=run)
+
+
+async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:
+    params = running.call.parameters
+    assert isinstance(params, ApplyFilePatchParams)
+    ctx = running.context
+    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
+    key = running.key
+    store = services.store
+
+    def plan_record_commit() -> dict[str, Any]:
+        # One worker-thread hop for the whole patch (reads, hashes, fsyncs): the planned
+        # result is recorded with the pending call before the write, as recovery needs.
+        plan = plan_patch(target, params.path, params)
+        if key is not None:
+            record = store.call_record(key)
+            intent = json.loads(record.intent_json or "{}") if record else {}
+            intent.update({"target": str(plan.path), "result": plan.result()})
+            store.set_call_intent(key, json.dumps(intent))
+        commit_patch(plan)
+        return plan.result()
+
+    async with services.file_write_lock:
+        try:
+            return await trio.to_thread.run_sync(plan_record_commit)
+        except OSError as exc:
+            # Refused by the file system while reading or writing (the atomic write leaves
+            # the old file in place): a typed answer, not a crash.
+            raise os_failure(exc, "written") from None
+
+
+def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
+    """The tool.result body that completes a patch left pending by a crash.
+
+    - the planned result was recorded: the file's sha says whether the write happened
+      (new sha → applied; base sha → apply now; anything else → interrupted);
+    - no plan was recorded: nothing was written yet, so the call is carried out now, with the
+      same base_sha guard a fresh call has — and, as on the live path, the plan is recorded
+      before the write, so a crash during this recovery is recovered by the first rule.
+    """
+    intent = json.loads(record.intent_json or "{}")
+    params = ApplyFilePatchParams.model_validate(intent["parameters"])
+    allowed = intent.get("allowed_paths")
+
+    def body(**outcome: Any) -> Recovered:
+        return Recovered(result_body(record.call_id, record.key, record.tool_name, **outcome))
+
+    try:
+        target = resolve_in_jail(intent["cwd"], params.path, tuple(allowed) if allowed is not None else None)
+        planned = intent.get("result")
+        if planned is not None:
+            now = current_sha(Path(intent["target"]))
+            decision = recover_patch(now, planned["old_sha"], planned["new_sha"])
+            if decision == "applied":
+                return body(result=planned)
+            if decision == "interrupted":
+                return body(error=interrupted(FILE_CHANGED_MESSAGE, current_sha=now))
+        plan = plan_patch(target, params.path, params)
+        env.store.set_call_intent(record.key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
+        commit_patch(plan)
+        return body(result=plan.result())
+    except ToolFailure as failure:
+        return body(error=failure.to_error())

@@ -1,0 +1,58 @@
+"""What the parts of one daemon share while it runs: its lifecycle, the session it is bound
+to, the fenced generation, and the request to stop.
+
+Plain state with one owner per field: the gate's admission writes the fence, a bootstrap
+writes the session, the lifecycle moves SERVING → DRAINING or TERMINATED and never back.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+import trio
+
+from sandbox_supervisor.protocol.bootstrap import BootstrapBody
+
+EXIT_OK = 0
+EXIT_CRASH = 1
+EXIT_CONFIG = 2
+EXIT_TERMINATED = 78  # the unit's RestartPreventExitStatus: a terminated sandbox stays down
+
+
+class Lifecycle(enum.Enum):
+    SERVING = "serving"
+    DRAINING = "draining"
+    TERMINATED = "terminated"
+
+
+@dataclass(frozen=True, slots=True)
+class StopRequest:
+    exit_code: int
+    reason: str
+
+
+class DaemonStatus:
+    def __init__(self, *, version: str, session: BootstrapBody | None, fence_generation: int) -> None:
+        self.version = version
+        self.lifecycle = Lifecycle.SERVING
+        self.session = session
+        # The daemon is the fence's only writer, so the fenced generation is kept here too:
+        # every frame is checked against it, and a sqlite read per frame would be waste.
+        self.fence_generation = fence_generation
+        # Order of admission (the fence's order), see gate.Admit.admission.
+        self.admissions = 0
+        self.started_monotonic = time.monotonic()
+        self.stop: StopRequest | None = None
+        self.stop_requested = trio.Event()
+
+    @property
+    def serving(self) -> bool:
+        return self.lifecycle is Lifecycle.SERVING
+
+    def request_stop(self, exit_code: int, reason: str) -> None:
+        """The first request wins: a stop after a termination keeps exit status 78."""
+        if self.stop is None:
+            self.stop = StopRequest(exit_code, reason)
+            self.stop_requested.set()
