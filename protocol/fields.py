@@ -6,7 +6,7 @@ a uuid, a seq or an environment map instead of each spelling its own.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, TypeGuard, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -54,7 +54,15 @@ Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
 Generation = Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
 
 Scope = Literal["files:read", "files:write", "shell:exec"]
+
+
+def is_scope(value: str) -> TypeGuard[Scope]:
+    return value in get_args(Scope)
+
+
 Stream = Literal["stdout", "stderr"]
+# A command's output streams, in the order results and the spool list them; derived from
+# `Stream` so that the type and the iteration can never disagree.
 STREAMS: tuple[Stream, ...] = get_args(Stream)
 
 

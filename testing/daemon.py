@@ -25,7 +25,7 @@ from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.client import ControlClient, Endpoint
 
 if TYPE_CHECKING:  # the daemon is imported where it is started, not with the client
-    from sandbox_supervisor.daemon.app import Supervisor
+    from sandbox_supervisor.daemon.app import Daemon
     from sandbox_supervisor.daemon.config import SupervisorConfig
     from sandbox_supervisor.daemon.edge.server import BoundListeners
 
@@ -137,7 +137,7 @@ class RunningDaemon:
     layout: DaemonLayout
     tcp: Endpoint
     unix: Endpoint
-    supervisor: Supervisor | None = None  # the in-process Supervisor (None for a subprocess)
+    supervisor: Daemon | None = None  # the in-process daemon's parts (None for a subprocess)
 
     def client(self, endpoint: Endpoint | None = None, **kwargs: str) -> ControlClient:
         kwargs.setdefault("sandbox_id", self.layout.sandbox_id)
@@ -161,7 +161,7 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
     result: dict[str, int] = {}
 
     async def run(
-        task_status: trio.TaskStatus[tuple[Supervisor, BoundListeners]] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[tuple[Daemon, BoundListeners]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         result["exit"] = await run_supervisor(
             layout.config(), handle_signals=False, env={}, task_status=task_status

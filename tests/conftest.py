@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import pytest
 
 from sandbox_supervisor.testing.authority import LoopbackAuthority
@@ -9,7 +14,8 @@ from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, m
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 
 # Tests read the daemon's decisions from frames and HTTP answers; keep the log quiet.
-configure_logging("error", "json")
+QUIET_LOG_LEVEL = "error"
+configure_logging(QUIET_LOG_LEVEL, "json")
 
 FAST_WEBSOCKET = {"handshake_timeout_s": 2.0, "drain_budget_s": 0.5}
 
@@ -43,3 +49,15 @@ async def session(daemon):
     async with client.connect() as session:
         await session.bootstrap(cwd=str(daemon.layout.workspace))
         yield session
+
+
+@pytest.fixture
+def log_lines() -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """The in-process daemon's log at every level, as parsed JSON lines, rendered by the
+    daemon's own configuration (tracebacks included); quiet again afterwards."""
+    buffer = io.StringIO()
+    configure_logging("debug", "json", stream=buffer)
+    try:
+        yield lambda: [json.loads(line) for line in buffer.getvalue().splitlines()]
+    finally:
+        configure_logging(QUIET_LOG_LEVEL, "json")

@@ -76,27 +76,27 @@ class HandshakeSlots:
         self.in_use -= 1
 
 
-class ReplayStream(trio.abc.Stream):
+class ReplayStream(trio.abc.HalfCloseableStream):
     """Gives wsproto the request head we already read, then the live stream.
 
     wsproto discards bytes that arrive after the head but before its 101 is sent, so anything
     a pipelining client sent early is held back until the first send (the 101) has gone out.
     """
 
-    def __init__(self, inner: trio.abc.Stream, head: bytes, early: bytes) -> None:
+    def __init__(self, inner: trio.abc.HalfCloseableStream, head: bytes, early: bytes) -> None:
         self._inner = inner
         self._head = head
         self._early = early
         self._sent = trio.Event()
 
-    async def send_all(self, data) -> None:
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self._inner.send_all(data)
         self._sent.set()
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()
 
-    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if self._head:
             data, self._head = self._head, b""
             return data
@@ -113,16 +113,13 @@ class ReplayStream(trio.abc.Stream):
         await self._inner.aclose()
 
 
-async def _answer_and_close(stream: trio.abc.Stream, response: bytes) -> None:
+async def _answer_and_close(stream: trio.abc.HalfCloseableStream, response: bytes) -> None:
     """Send a complete response, then close without provoking a reset."""
     try:
         with trio.move_on_after(LINGER_AFTER_RESPONSE_S * 4):
             await stream.send_all(response)
         with trio.move_on_after(LINGER_AFTER_RESPONSE_S):
-            try:
-                await stream.send_eof()
-            except (AttributeError, NotImplementedError):
-                pass
+            await stream.send_eof()
             drained = 0
             while drained < LINGER_MAX_BYTES:
                 data = await stream.receive_some(RECEIVE_CHUNK_BYTES)
@@ -135,7 +132,7 @@ async def _answer_and_close(stream: trio.abc.Stream, response: bytes) -> None:
         await trio.aclose_forcefully(stream)
 
 
-async def handle_stream(stream: trio.abc.Stream, app: ConnectionApp, slots: HandshakeSlots) -> None:
+async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp, slots: HandshakeSlots) -> None:
     """One accepted stream, from its first byte to its close. Never raises."""
     if not slots.try_acquire():
         await _answer_and_close(stream, http_front.TOO_MANY_HANDSHAKES_RESPONSE)
@@ -156,7 +153,7 @@ async def handle_stream(stream: trio.abc.Stream, app: ConnectionApp, slots: Hand
             with trio.fail_at(deadline):
                 while head is None:
                     data = await stream.receive_some(RECEIVE_CHUNK_BYTES)
-                    head = reader.feed(data)
+                    head = reader.feed(bytes(data))
         except trio.TooSlowError:
             log.info("http.head_timeout")
             await trio.aclose_forcefully(stream)
@@ -349,13 +346,13 @@ async def serve(
     app: ConnectionApp,
     max_handshakes: int,
     *,
-    task_status=trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept until cancelled. Connection tasks live in the nursery passed to
     serve_listeners, so cancelling this call ends them too."""
     slots = HandshakeSlots(max_handshakes)
 
-    async def handler(stream: trio.abc.Stream) -> None:
+    async def handler(stream: trio.SocketStream) -> None:
         await handle_stream(stream, app, slots)
 
     await trio.serve_listeners(handler, listeners, task_status=task_status)

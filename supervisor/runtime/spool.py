@@ -45,10 +45,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox_supervisor.protocol.fields import UUID_PATTERN
+from sandbox_supervisor.protocol.fields import STREAMS, UUID_PATTERN
 
 __all__ = [
-    "STREAMS",
     "SpoolNotFound",
     "SpoolPage",
     "SpoolWriter",
@@ -64,7 +63,6 @@ __all__ = [
 ]
 
 SPOOL_DIRECTORY = "spool"
-STREAMS = ("stdout", "stderr")
 STATE_SUFFIX = ".state"
 _DIRECTORY_MODE = 0o700  # output may hold secrets the command printed
 _FILE_MODE = 0o600

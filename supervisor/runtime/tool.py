@@ -97,10 +97,13 @@ Recover = Callable[[CallRecord, RecoveryEnv], Recovered]
 
 
 class ToolModule(Protocol):
-    """What each module under runtime/tools/ declares."""
+    """What each module under runtime/tools/ declares (read-only: a module is the value)."""
 
-    NAME: str
-    recover: Recover | None
+    @property
+    def NAME(self) -> str: ...
+
+    @property
+    def recover(self) -> Recover | None: ...
 
     def bind(self, services: ToolServices) -> Tool: ...
 

@@ -5,7 +5,7 @@ binding, build the readiness frame, and make a rejection terminal (docs/protocol
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import structlog
 
 from sandbox_supervisor.protocol import PROTOCOL_VERSION
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody, bootstrap_digest
+from sandbox_supervisor.protocol.fields import is_scope
 from sandbox_supervisor.protocol.frames import RuntimeStateBody, RuntimeStateFrame
 from sandbox_supervisor.daemon.ops.logs import safe_log
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier
@@ -82,7 +83,7 @@ def readiness_frame(
     event_ack: int,
     snapshot: StateSnapshot,
     version: str,
-    scopes: Sequence[str],
+    scopes: Iterable[str],
 ) -> RuntimeStateFrame:
     return RuntimeStateFrame(
         body=RuntimeStateBody(
@@ -94,7 +95,7 @@ def readiness_frame(
             oldestRetainedSeq=snapshot.oldest_retained_seq,
             supervisorVersion=version,
             protocolVersion=PROTOCOL_VERSION,
-            scopes=sorted(scopes),
+            scopes=[scope for scope in sorted(scopes) if is_scope(scope)],  # all are: the gate checked
         )
     )
 

@@ -17,7 +17,7 @@ Any state goes to CLOSED when a close is requested (superseded, stopping, a sock
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,7 +146,7 @@ class ControlChannel:
     """One control socket's state: what it may do next. Knows the socket's own routing
     facts (session, generation, scopes); learns the rest as events."""
 
-    def __init__(self, session_id: str, generation: int, scopes: Sequence[str]) -> None:
+    def __init__(self, session_id: str, generation: int, scopes: Iterable[str]) -> None:
         self.session_id = session_id
         self.generation = generation
         self.scopes = frozenset(scopes)

@@ -11,6 +11,7 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.telemetry import Telemetry
 
 # Bounded: a client that floods requests without reading replies is slowed at its own
 # reader (back-pressure), never allowed to grow the daemon's memory.
@@ -24,7 +25,11 @@ EVENT_BATCH_MAX_CHARS = 4 * 1024 * 1024
 
 class SocketSender:
     def __init__(
-        self, ws: trio_websocket.WebSocketConnection, journal: Journal, cursor: int, telemetry=None
+        self,
+        ws: trio_websocket.WebSocketConnection,
+        journal: Journal,
+        cursor: int,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._ws = ws
         self._telemetry = telemetry

@@ -35,6 +35,7 @@ from sandbox_supervisor.daemon.runtime.calls import CallContext, SendReply
 from sandbox_supervisor.daemon.session import bootstrap
 from sandbox_supervisor.daemon.session.control import (
     Acknowledge,
+    BindFailed,
     Action,
     Bind,
     Close,
@@ -266,7 +267,7 @@ class ControlSocket:
         try:
             snapshot = services.store.snapshot()
         except StoreError:
-            return await self._carry_out(self.channel.binding_decided(bootstrap.BindFailed()))
+            return await self._carry_out(self.channel.binding_decided(BindFailed()))
         frame = bootstrap.readiness_frame(
             action.body,
             generation=conn.generation,
@@ -313,14 +314,16 @@ class ControlSocket:
                     while True:
                         await conn.ws.get_message()  # anything but the close is ignored now
                 except trio_websocket.ConnectionClosed as exc:
-                    receipt = (
-                        exc.reason.code == closes.CLOSE_REJECTION_RECEIPT
-                        and exc.reason.reason == closes.REJECTION_RECEIPT_REASON
-                    )
                     peer_closed = True
-                    # The peer closed: nothing left to send, whatever code it used.
-                    if conn.close_request is None:
-                        conn.close_request = (exc.reason.code, exc.reason.reason or "")
+                    closed = exc.reason
+                    if closed is not None:
+                        receipt = (
+                            closed.code == closes.CLOSE_REJECTION_RECEIPT
+                            and closed.reason == closes.REJECTION_RECEIPT_REASON
+                        )
+                        # The peer closed: nothing left to send, whatever code it used.
+                        if conn.close_request is None:
+                            conn.close_request = (closed.code, closed.reason or "")
             self._close_as(self.channel.rejection_finished(rejection_sent=True, peer_closed=peer_closed))
             self.log.info("bootstrap.rejection_receipt", observed=receipt)
         finally:

@@ -1,0 +1,214 @@
+"""ShellRuntime without a daemon: real shells, a real sqlite journal, the runtime's own nursery."""
+
+from __future__ import annotations
+
+import signal
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.protocol.tools import parse_tool_call
+from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
+from sandbox_supervisor.daemon.runtime.command_output import StreamOutput
+from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.store import StateStore
+
+DEADLINE_S = 10
+POLL_S = 0.02
+
+
+@dataclass
+class Counts:
+    """Implements ShellTelemetry."""
+
+    started: int = 0
+    exited: int = 0
+    spooled: list[int] = field(default_factory=list)
+
+    def process_started(self) -> None:
+        self.started += 1
+
+    def process_exited(self) -> None:
+        self.exited += 1
+
+    def output_spooled(self, nbytes: int) -> None:
+        self.spooled.append(nbytes)
+
+
+@dataclass
+class Rig:
+    shell: ShellRuntime
+    store: StateStore
+    workspace: Path
+    telemetry: Counts
+
+    def running_call(self, command: str, **params: Any) -> RunningCall:
+        call = parse_tool_call(
+            {
+                "tool_name": "execute_shell_command",
+                "call_id": str(uuid.uuid4()),
+                "idempotency_key": f"k-{uuid.uuid4()}",
+                "parameters": {"command": command, **params},
+            }
+        )
+        context = CallContext(
+            session_id="session-1",
+            generation=1,
+            cwd=str(self.workspace),
+            agent_env={},
+            scopes=frozenset({"shell:exec"}),
+            allowed_paths=None,
+            allowed_commands=None,
+        )
+        return RunningCall(call, context)
+
+    async def run(self, command: str, **params: Any) -> dict[str, Any]:
+        return await self.shell.execute(self.running_call(command, **params))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StateStore]:
+    with StateStore.open(tmp_path / "state") as opened:
+        yield opened
+
+
+@asynccontextmanager
+async def runtime(store: StateStore, tmp_path: Path, kill_grace_s: float = 2.0) -> AsyncIterator[Rig]:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    settings = ShellSettings(
+        shell="/bin/sh",
+        max_processes=4,
+        kill_grace_s=kill_grace_s,
+        throttle_ms=10,
+        max_chunk_bytes=4096,
+        buffer_bytes=65536,
+        spool_max_bytes=1 << 20,
+        spool_total_max_bytes=1 << 30,
+        base_env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
+        state_dir=store.path.parent,
+    )
+    journal = Journal(store)
+    telemetry = Counts()
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            shell = ShellRuntime(settings, store, journal, nursery, telemetry=telemetry)
+            yield Rig(shell, store, workspace, telemetry)
+            # Everything the runtime started must end on its own: a nursery left waiting
+            # would mean a command's tasks never finished.
+            with trio.fail_after(DEADLINE_S):
+                while shell.commands:
+                    await trio.sleep(POLL_S)
+
+
+async def wait_started(rig: Rig, count: int) -> None:
+    with trio.fail_after(DEADLINE_S):
+        while len(rig.store.recorded_processes()) < count:
+            await trio.sleep(POLL_S)
+
+
+async def test_a_command_runs_completes_and_is_forgotten(store, tmp_path):
+    async with runtime(store, tmp_path) as rig:
+        running = rig.running_call("echo out; echo err >&2; exit 3")
+        result = await rig.shell.execute(running)
+        assert (result["exit_code"], result["signal"], result["timed_out"]) == (3, None, False)
+        assert result["stdout"]["head"] == "out\n" and result["stderr"]["head"] == "err\n"
+        kinds = [kind for kind, _ in running.final_events]
+        assert kinds[-1] == "exec.completed"
+        assert rig.shell.known_call(running.call.call_id)
+    assert rig.shell.running == 0 and rig.store.recorded_processes() == []
+    assert (rig.telemetry.started, rig.telemetry.exited) == (1, 1)
+    assert sum(rig.telemetry.spooled) == len("out\nerr\n") == rig.shell.spool_bytes
+
+
+async def test_wait_calls_completed_returns_once_every_call_has_completed(store, tmp_path):
+    finished: list[str] = []
+    async with runtime(store, tmp_path) as rig:
+        await rig.shell.wait_calls_completed()  # nothing running: at once
+
+        async def run(name: str, command: str) -> None:
+            await rig.run(command)
+            finished.append(name)
+
+        rig.shell.nursery.start_soon(run, "short", "sleep 0.1")
+        rig.shell.nursery.start_soon(run, "long", "sleep 0.4")
+        await wait_started(rig, 2)
+        await rig.shell.wait_calls_completed()
+        assert sorted(finished) == ["long", "short"]
+
+
+async def test_stop_all_ends_a_group_ignoring_sigterm_and_refuses_new_commands(store, tmp_path):
+    async with runtime(store, tmp_path, kill_grace_s=0.3) as rig:
+        results: list[dict[str, Any]] = []
+
+        async def run() -> None:
+            results.append(await rig.run("trap '' TERM; sleep 30 & wait"))
+
+        rig.shell.nursery.start_soon(run)
+        await wait_started(rig, 1)
+        await rig.shell.stop_all()
+        await rig.shell.wait_calls_completed()
+        assert results[0]["signal"] == "SIGKILL" and results[0]["timed_out"] is False
+        with pytest.raises(ToolFailure) as refused:
+            await rig.run("true")
+        assert refused.value.code == errors.INTERRUPTED
+
+
+async def test_signal_command_reaches_the_group_and_then_reports_not_running(store, tmp_path):
+    async with runtime(store, tmp_path) as rig:
+        running = rig.running_call("sleep 30")
+        call_id = running.call.call_id
+        results: list[dict[str, Any]] = []
+
+        async def run() -> None:
+            results.append(await rig.shell.execute(running))
+
+        rig.shell.nursery.start_soon(run)
+        await wait_started(rig, 1)
+        assert rig.shell.signal_command(call_id, "SIGTERM") is None
+        with trio.fail_after(DEADLINE_S):
+            while not results:
+                await trio.sleep(POLL_S)
+        assert results[0]["signal"] == signal.SIGTERM.name
+        assert rig.shell.signal_command(call_id, "SIGKILL") == errors.NOT_RUNNING
+        assert rig.shell.signal_command(str(uuid.uuid4()), "SIGKILL") == errors.UNKNOWN_CALL
+
+
+async def test_a_record_the_store_refuses_to_forget_costs_a_warning(store, tmp_path, log_lines):
+    async with runtime(store, tmp_path) as rig:
+        running = rig.running_call("sleep 0.2")
+        rig.shell.nursery.start_soon(rig.shell.execute, running)
+        await wait_started(rig, 1)
+        store.close()  # forget_process will raise StoreError
+    # The runtime forgot the command anyway (the fixture waited for it) and carried on.
+    warnings = [line for line in log_lines() if line["event"] == "process.forget_failed"]
+    assert [w["call_id"] for w in warnings] == [running.call.call_id]
+    assert warnings[0]["level"] == "warning" and "closed" in warnings[0]["error"]
+
+
+async def test_a_bug_in_the_output_tasks_costs_one_command_not_the_runtime(
+    store, tmp_path, log_lines, monkeypatch
+):
+    def broken_feed(self: StreamOutput, data: bytes) -> int:
+        raise RuntimeError("bug in the output pipeline")
+
+    async with runtime(store, tmp_path) as rig:
+        with monkeypatch.context() as patched:
+            patched.setattr(StreamOutput, "feed", broken_feed)
+            crashed = await rig.run("echo lost")
+        # The call still completed, without the output the broken pipeline lost, and the
+        # runtime (its nursery, the daemon's) still runs commands.
+        assert crashed["stdout"]["bytes"] == 0
+        assert (await rig.run("echo fine"))["stdout"]["head"] == "fine\n"
+    crashes = [line for line in log_lines() if line["event"] == "shell.tend_crashed"]
+    assert len(crashes) == 1 and crashes[0]["level"] == "error"
+    assert "RuntimeError: bug in the output pipeline" in crashes[0]["exception"]  # the traceback
