@@ -367,10 +367,6 @@ class ToolReplayedFrame(ServerFrameBase):
     body: ToolReplayedBody
 
 
-JournaledEvent = Annotated[
-    ExecStartedEvent | ExecOutputEvent | ExecCompletedEvent | ToolResultEvent,
-    Field(discriminator="kind"),
-]
 ServerFrameModel = (
     RuntimeStateFrame
     | BootstrapRejectedFrame

@@ -39,7 +39,7 @@ from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
 from sandbox_supervisor.daemon.runtime.service import Runtime
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
 from sandbox_supervisor.daemon.runtime.tool import ToolServices
-from sandbox_supervisor.daemon.runtime.tools import bind_tools
+from sandbox_supervisor.daemon.runtime.registry import bind_tools
 from sandbox_supervisor.daemon.session.bootstrap import BindingRules
 from sandbox_supervisor.daemon.session.hub import SessionHub
 from sandbox_supervisor.daemon.session.socket import SessionServices, SocketSettings, serve_control_socket
@@ -63,7 +63,6 @@ LISTENING_FILE = "listening.json"
 # After the process groups are gone, how long the stop waits for their calls to journal
 # exec.completed + tool.result (the completion grace is 200 ms).
 STOP_COMPLETION_BUDGET_S = 1.0
-METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def supervisor_version() -> str:

@@ -27,12 +27,13 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from sandbox_supervisor.protocol import bootstrap
+
 ENV_PREFIX = "SANDBOX_SUPERVISOR_"
 # Separates section from key in an environment variable name (SECTION__KEY).
 ENV_SECTION_SEPARATOR = "__"
 
 MAX_PORT = 65535
-MAX_PROFILE_CHARS = 64
 MASK = "***"
 # Key names containing one of these are masked by `masked_dict` (none exist today; the rule is
 # here so a future secret cannot leak through check-config by accident).
@@ -41,7 +42,7 @@ SECRET_KEY_MARKERS = ("secret", "token", "key", "password")
 NOT_SECRET_KEYS = frozenset({"jwks_file"})
 
 ENV_NAME_PATTERN = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-PROFILE_PATTERN = re.compile(rf"^[a-z][a-z0-9.-]{{0,{MAX_PROFILE_CHARS - 1}}}$")
+PROFILE_PATTERN = re.compile(bootstrap.PROFILE_PATTERN)  # the profiles a bootstrap can name
 _HOST_NAME_PATTERN = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})$")
 
 DEFAULT_BASE_ENV = {

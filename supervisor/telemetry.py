@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+# The `upgrade` outcome of an admitted upgrade (refusals report their error code).
+UPGRADE_ACCEPTED = "accepted"
+
 
 class Telemetry(Protocol):
     def upgrade(self, outcome: str) -> None: ...

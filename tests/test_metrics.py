@@ -6,7 +6,9 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sandbox_supervisor.daemon.ops.metrics import CONTENT_TYPE, UPGRADE_ACCEPTED, SupervisorMetrics
+from sandbox_supervisor.daemon.edge.http_front import METRICS_CONTENT_TYPE
+from sandbox_supervisor.daemon.ops.metrics import SupervisorMetrics
+from sandbox_supervisor.daemon.telemetry import UPGRADE_ACCEPTED
 
 
 def samples(metrics: SupervisorMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -59,7 +61,7 @@ def test_output_parses_as_prometheus_text_and_names_the_content_type() -> None:
     parsed = samples(metrics)
     assert parsed[("sandbox_supervisor_tool_calls_total", (("outcome", "success"), ("tool", "apply_file_patch")))] == 1
     assert parsed[("sandbox_supervisor_journal_last_seq", ())] == 3
-    assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
+    assert METRICS_CONTENT_TYPE == b"text/plain; version=0.0.4; charset=utf-8"
 
 
 def test_journal_gauges_are_read_from_callables_at_scrape_time() -> None:

@@ -29,12 +29,10 @@ from sandbox_supervisor.daemon.edge.http_front import RequestHead
 from sandbox_supervisor.daemon.ops.logs import safe_log
 from sandbox_supervisor.daemon.state.store import FenceRegressed, JtiReplayed, StateStore, StoreError
 from sandbox_supervisor.daemon.status import DaemonStatus
-from sandbox_supervisor.daemon.telemetry import Telemetry
+from sandbox_supervisor.daemon.telemetry import UPGRADE_ACCEPTED, Telemetry
 
 log = structlog.get_logger("supervisor")
 
-# The metrics label of an admitted upgrade (refusals are labelled with their code).
-UPGRADE_ACCEPTED = "accepted"
 
 
 class UpgradeAdmission:

@@ -20,6 +20,10 @@ from sandbox_supervisor.protocol import errors
 # while bounding what a slow or hostile peer can make us buffer before it is authenticated.
 MAX_REQUEST_HEAD_BYTES = 16 * 1024
 WEBSOCKET_VERSION = b"13"
+# The text format prometheus_client's generate_latest writes. prometheus_client >= 0.22 calls
+# "latest" its 1.0.0 format; with our names (plain ASCII) both are the same bytes, and 0.0.4
+# is what every scraper accepts.
+METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 
 class Route(enum.Enum):

@@ -19,6 +19,7 @@ import structlog
 import trio
 import trio_websocket
 
+from sandbox_supervisor.daemon.config import parse_host_port
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
 
@@ -176,7 +177,7 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
             await _answer_and_close(
                 stream,
                 http_front.render_response(
-                    status, body, content_type=b"text/plain; version=0.0.4; charset=utf-8"
+                    status, body, content_type=http_front.METRICS_CONTENT_TYPE
                 ),
             )
             return
@@ -235,13 +236,6 @@ class BoundListeners:
     listeners: list[trio.SocketListener]
     tcp: list[str]  # "host:port" as bound (port 0 resolved)
     unix: list[str]
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
 
 
 def format_host_port(host: str, port: int) -> str:

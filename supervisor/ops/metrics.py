@@ -20,15 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-# The text format generate_latest writes. prometheus_client >= 0.22 calls "latest" its 1.0.0
-# format; with our names (plain ASCII) both are the same bytes, and 0.0.4 is what every
-# scraper accepts.
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAMESPACE = "sandbox_supervisor"
 
-# Label values for outcomes are stable codes (the codes of docs/codes.md, or "accepted" /
-# "success"): bounded sets, so a peer cannot grow the series count with garbage.
-UPGRADE_ACCEPTED = "accepted"
 
 ValueSource = Callable[[], int | float]
 
@@ -104,7 +97,7 @@ class SupervisorMetrics:
         }
 
     def render(self) -> bytes:
-        """The registry in the Prometheus text format (serve with CONTENT_TYPE)."""
+        """The registry in the Prometheus text format (served as edge.http_front.METRICS_CONTENT_TYPE)."""
         return generate_latest(self.registry)
 
 

@@ -16,7 +16,7 @@ from sandbox_supervisor.protocol.fields import STREAMS
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
 from sandbox_supervisor.daemon.runtime.tool import Recovered, RecoveryEnv, interrupted, result_body
-from sandbox_supervisor.daemon.runtime.tools import recoverers
+from sandbox_supervisor.daemon.runtime.registry import recoverers
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
 
 log = structlog.get_logger("supervisor.recovery")

@@ -2,7 +2,7 @@
 
 A tool is one module under `runtime/tools/` that declares its name and models (the wire half
 lives in `protocol.tools`, which clients and the JSON Schemas are generated from), how it runs,
-and how a call it left pending is completed after a crash; `runtime/tools/__init__.py` lists
+and how a call it left pending is completed after a crash; `runtime/registry.py` lists
 the modules. This module is the interface between them and the call runner, so neither
 imports the other.
 """

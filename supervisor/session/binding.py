@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sandbox_supervisor.protocol import errors
-from sandbox_supervisor.protocol.bootstrap import BootstrapBody
+from sandbox_supervisor.protocol.bootstrap import BootstrapBody, is_within
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +27,8 @@ class BindRejected:
 
 
 def _inside(path: str, root: str) -> bool:
-    root = root.rstrip("/") or "/"
-    return path == root or path.startswith(root if root == "/" else root + "/")
+    # A configured root may end in "/"; is_within takes normalised paths.
+    return is_within(path, root.rstrip("/") or "/")
 
 
 def decide_binding(

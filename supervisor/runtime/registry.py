@@ -1,0 +1,26 @@
+"""The tool registry: one module per tool (under runtime/tools/), listed once here.
+
+Each module declares `NAME`, `bind(services) -> Tool` (how it runs) and `recover` (how a call
+it left pending is completed after a crash, or None: reported interrupted, never re-run).
+Adding a tool: its wire models and scope in `protocol.tools`, its module under runtime/tools/, one line in
+`TOOL_MODULES`, and its section in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from sandbox_supervisor.daemon.runtime.tool import Recover, Tool, ToolModule, ToolServices
+from sandbox_supervisor.daemon.runtime.tools import apply_file_patch, execute_shell_command, read_file
+
+TOOL_MODULES: tuple[ToolModule, ...] = (apply_file_patch, execute_shell_command, read_file)
+
+
+def bind_tools(services: ToolServices) -> dict[str, Tool]:
+    tools: dict[str, Tool] = {}
+    for module in TOOL_MODULES:
+        tool = module.bind(services)
+        tools[tool.name] = tool
+    return tools
+
+
+def recoverers() -> dict[str, Recover | None]:
+    return {module.NAME: module.recover for module in TOOL_MODULES}
