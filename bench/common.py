@@ -25,7 +25,7 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.testing.client import ControlClient, ControlSession, Endpoint, open_websocket
-from sandbox_supervisor.testing.daemon import DaemonLayout, DaemonProcess, RunningDaemon, make_layout
+from sandbox_supervisor.testing.daemon import DaemonLayout, DaemonProcess, RunningDaemon, make_layout, running_daemon
 
 BENCH_DIR = Path(__file__).resolve().parent
 FLOOR_SERVER = BENCH_DIR / "floor_server.py"
@@ -188,21 +188,16 @@ def echo_text(frame: dict) -> str:
 @asynccontextmanager
 async def daemon(root: Path, **settings: dict[str, Any]) -> AsyncIterator[tuple[DaemonProcess, RunningDaemon]]:
     """`python -m sandbox_supervisor.daemon serve` on fresh directories under `root` (as in production:
-    its own process and event loop); SIGTERM on leaving."""
+    its own process and event loop); SIGTERM on leaving (SIGKILL if that times out). On a
+    failure the end of its log goes to stderr."""
     layout = make_layout(root, **settings)
-    process = DaemonProcess(layout)
     try:
-        running = await process.start()
-        assert running is not None
-        yield process, running
+        async with running_daemon(layout) as process:
+            yield process, process.running
     except BaseException:
-        sys.stderr.write(f"--- daemon log ({process.log_path}) ---\n{process.log_text()[-4000:]}\n")
+        log = layout.log_file.read_text(errors="replace") if layout.log_file.exists() else ""
+        sys.stderr.write(f"--- daemon log ({layout.log_file}) ---\n{log[-4000:]}\n")
         raise
-    finally:
-        try:
-            await process.stop()
-        except trio.TooSlowError:
-            await process.kill()
 
 
 def workspace(layout: DaemonLayout) -> str:

@@ -24,7 +24,7 @@ import trio
 
 from bench.common import FRAME_TIMEOUT_S, CpuMeter, Mode, Result, daemon, floor_server, now, premint, time_ratio_result, workspace
 from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore
-from sandbox_supervisor.testing.daemon import DaemonProcess
+from sandbox_supervisor.testing.daemon import running_daemon
 
 NAME = "replay"
 TARGET = 2.0
@@ -89,34 +89,30 @@ async def run(mode: Mode, workdir: Path) -> Result:
 
     measured: list[float] = []
     floor: list[float] = []
-    process = DaemonProcess(layout)
-    async with floor_server() as fs:
-        try:
-            running = await process.start()
-            generation = client.state.generation
-            client = running.client()  # the restarted daemon listens on a new port
-            client.state.generation = generation
-            db = str(layout.state_dir / DB_FILENAME)
-            for i in range(warmup + samples):
-                if i == warmup:
-                    meter = CpuMeter(process.proc.pid, fs.proc.pid)
-                started = now()
-                async with fs.connect() as ws:
-                    await ws.send_message("P" + json.dumps({"db": db, "after": 0}))
-                    await receive_all(ws, first_seq, last_seq)
-                    elapsed_floor = now() - started
-                args = premint(client, ack_floor=0)
-                started = now()
-                async with client.connect(**args) as session:
-                    state = await session.bootstrap(cwd=workspace(layout))
-                    assert state["body"]["localEventMax"] == last_seq, state
-                    await receive_all(session.ws, first_seq, last_seq)
-                    elapsed = now() - started
-                if i >= warmup:
-                    floor.append(elapsed_floor)
-                    measured.append(elapsed)
-            meter.stop()
-        finally:
-            await process.stop()
+    async with floor_server() as fs, running_daemon(layout) as process:
+        running = process.running
+        generation = client.state.generation
+        client = running.client()  # the restarted daemon listens on a new port
+        client.state.generation = generation
+        db = str(layout.state_dir / DB_FILENAME)
+        for i in range(warmup + samples):
+            if i == warmup:
+                meter = CpuMeter(process.proc.pid, fs.proc.pid)
+            started = now()
+            async with fs.connect() as ws:
+                await ws.send_message("P" + json.dumps({"db": db, "after": 0}))
+                await receive_all(ws, first_seq, last_seq)
+                elapsed_floor = now() - started
+            args = premint(client, ack_floor=0)
+            started = now()
+            async with client.connect(**args) as session:
+                state = await session.bootstrap(cwd=workspace(layout))
+                assert state["body"]["localEventMax"] == last_seq, state
+                await receive_all(session.ws, first_seq, last_seq)
+                elapsed = now() - started
+            if i >= warmup:
+                floor.append(elapsed_floor)
+                measured.append(elapsed)
+        meter.stop()
     note = f"{count:,} events of ~{frame_bytes:.0f} B; {meter.per_op(samples, 'ms')} per replay"
     return time_ratio_result(NAME, measured, floor, TARGET, note)

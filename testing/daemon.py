@@ -1,8 +1,31 @@
-"""Start a real supervisor on temporary directories: in-process (fast, same trio loop) or as
-a subprocess through the CLI (`python -m sandbox_supervisor.daemon serve --config …`, as users start it).
+"""Start a real supervisor on temporary directories, for this project's tests and for yours.
 
-Both use the same on-disk layout: a state dir, a workspace, a sandbox-id file, a JWKS file
-from a `LoopbackAuthority`, a unix socket and a TCP port 0 on loopback.
+Two ways to run one, on the same on-disk layout (a state dir, a workspace, a sandbox-id file,
+a JWKS file from a `LoopbackAuthority`, a unix socket and a TCP port 0 on loopback; see
+`make_layout`):
+
+- `in_process_daemon(layout)`: the supervisor inside the caller's trio loop (fast; the
+  `RunningDaemon` it yields also carries the `Supervisor` object, to look at its state).
+- `running_daemon(layout)`: `python -m sandbox_supervisor.daemon serve --config …` in a
+  subprocess, as users start it, with its JSON log in `layout.log_file`. It yields the
+  started `DaemonProcess`, and on leaving always stops it (SIGTERM, then SIGKILL if it has
+  not exited within `stop_timeout`), whatever the body raised::
+
+      layout = make_layout(tmp_path / "d", authority=LoopbackAuthority())
+      async with running_daemon(layout) as process:
+          async with process.running.client().connect() as session:
+              await session.bootstrap(cwd=str(layout.workspace))
+      assert process.returncode == 0  # the exit status of the stop on leaving
+
+  The body may signal, kill, wait for and `start()` the same process again; the stop on
+  leaving is for whichever run is current, and does nothing if it has already exited. With
+  `wait_ready=False` the body gets the process as soon as it is spawned (for a daemon
+  expected to exit at once, or to wait for `READY=1` yourself). A daemon that exits before
+  listening raises `DaemonExitedEarly` (with its exit status and log); one whose stop times
+  out is killed and raises `DaemonStopTimeout` (unless the body's own exception is already
+  on its way out, which then is the one you see).
+
+Use `DaemonProcess` by hand only for what these do not cover.
 """
 
 from __future__ import annotations
@@ -16,7 +39,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import trio
 
@@ -31,7 +54,27 @@ if TYPE_CHECKING:  # the daemon is imported where it is started, not with the cl
 
 DEFAULT_SANDBOX_ID = "sbx-test-0001"
 START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0  # SIGTERM to exit; past it the daemon is killed
+KILL_TIMEOUT_S = 10.0  # SIGKILL to reaped (only a process stuck in the kernel takes long)
 LISTENING_FILE = "listening.json"
+LOG_FILE = "daemon.log"
+
+
+class DaemonExitedEarly(RuntimeError):
+    """The daemon exited before it was listening (a bad configuration, a port in use …)."""
+
+    def __init__(self, returncode: int, log: str) -> None:
+        super().__init__(f"daemon exited with {returncode} before listening:\n{log}")
+        self.returncode = returncode
+        self.log = log
+
+
+class DaemonStopTimeout(RuntimeError):
+    """The daemon did not exit within the stop timeout after SIGTERM (it was then killed)."""
+
+    def __init__(self, timeout: float, log: str) -> None:
+        super().__init__(f"daemon did not exit within {timeout} s of SIGTERM and was killed:\n{log}")
+        self.log = log
 
 
 @dataclass
@@ -64,6 +107,11 @@ class DaemonLayout:
     @property
     def config_file(self) -> Path:
         return self.root / "supervisor.toml"
+
+    @property
+    def log_file(self) -> Path:
+        """Where a subprocess daemon's stderr (its JSON log) goes, appended run after run."""
+        return self.root / LOG_FILE
 
     def config_dict(self) -> dict[str, dict[str, Any]]:
         config: dict[str, dict[str, Any]] = {
@@ -184,14 +232,28 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
 
 
 class DaemonProcess:
-    """`python -m sandbox_supervisor.daemon serve` in a subprocess, with its stderr (the JSON log) in a file."""
+    """`python -m sandbox_supervisor.daemon serve` in a subprocess, with its stderr (the JSON
+    log) in `layout.log_file`. Prefer `running_daemon`, which always stops it."""
 
     def __init__(self, layout: DaemonLayout, *, env: dict[str, str] | None = None) -> None:
         self.layout = layout
-        self.log_path = layout.root / "daemon.log"
+        self.log_path = layout.log_file
         self.extra_env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
-        self.running: RunningDaemon | None = None
+        self._running: RunningDaemon | None = None
+        self._log: BinaryIO | None = None
+
+    @property
+    def running(self) -> RunningDaemon:
+        """The endpoints of the current run (known once `start()` saw it listening)."""
+        if self._running is None:
+            raise RuntimeError("the daemon was not started with wait_ready=True")
+        return self._running
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of the current run, or None while it runs (or before a start)."""
+        return None if self.proc is None else self.proc.poll()
 
     async def start(self, *, wait_ready: bool = True) -> RunningDaemon | None:
         config_file = self.layout.write_config()
@@ -199,6 +261,8 @@ class DaemonProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_SUPERVISOR_")}
         env.pop("NOTIFY_SOCKET", None)
         env.update(self.extra_env)
+        self._close_log()
+        self._running = None
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sandbox_supervisor.daemon", "serve", "--config", str(config_file)],
@@ -211,36 +275,45 @@ class DaemonProcess:
             return None
         with trio.fail_after(START_TIMEOUT_S):
             while not (self.layout.state_dir / LISTENING_FILE).exists():
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"daemon exited with {self.proc.returncode} before listening:\n{self.log_text()}"
-                    )
+                if (code := self.proc.poll()) is not None:
+                    self._close_log()
+                    raise DaemonExitedEarly(code, self.log_text())
                 await trio.sleep(0.02)
         tcp, unix = _endpoints(self.layout.state_dir)
-        self.running = RunningDaemon(self.layout, tcp, unix)
-        return self.running
+        self._running = RunningDaemon(self.layout, tcp, unix)
+        return self._running
 
     def send_signal(self, signum: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(signum)
 
-    async def wait(self, timeout: float = 10.0) -> int:
+    async def wait(self, timeout: float = STOP_TIMEOUT_S) -> int:
         assert self.proc is not None
         with trio.fail_after(timeout):
-            while self.proc.poll() is None:
+            while (code := self.proc.poll()) is None:
                 await trio.sleep(0.01)
-        self._log.close()
-        return self.proc.returncode
+        self._close_log()
+        return code
 
     async def kill(self) -> int:
         self.send_signal(signal.SIGKILL)
-        return await self.wait()
+        return await self.wait(KILL_TIMEOUT_S)
 
-    async def stop(self, timeout: float = 10.0) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
+    async def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM and wait for the exit status (trio.TooSlowError past `timeout`); an
+        exited run's status at once, 0 if none was started."""
+        if self.proc is None:
+            return 0
+        if (code := self.proc.poll()) is not None:
+            self._close_log()
+            return code
         self.send_signal(signal.SIGTERM)
         return await self.wait(timeout)
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def log_text(self) -> str:
         try:
@@ -249,10 +322,44 @@ class DaemonProcess:
             return ""
 
     def log_events(self) -> list[dict[str, Any]]:
-        events = []
+        events: list[dict[str, Any]] = []
         for line in self.log_text().splitlines():
             try:
                 events.append(json.loads(line))
             except ValueError:
                 continue
         return events
+
+
+async def _stop_or_kill(process: DaemonProcess, timeout: float) -> bool:
+    """Stop the current run; kill it if SIGTERM has not ended it within `timeout`. True if it
+    stopped on its own. Shielded: a cancelled body must not leave the daemon running."""
+    with trio.CancelScope(shield=True):
+        try:
+            await process.stop(timeout)
+        except trio.TooSlowError:
+            await process.kill()
+            return False
+    return True
+
+
+@asynccontextmanager
+async def running_daemon(
+    layout: DaemonLayout,
+    *,
+    env: dict[str, str] | None = None,
+    wait_ready: bool = True,
+    stop_timeout: float = STOP_TIMEOUT_S,
+) -> AsyncIterator[DaemonProcess]:
+    """Start `python -m sandbox_supervisor.daemon serve` on `layout` and yield the process; on
+    leaving, stop whichever run is current (SIGTERM; SIGKILL past `stop_timeout`). `env` is
+    added to the daemon's environment. See the module docstring."""
+    process = DaemonProcess(layout, env=env)
+    try:
+        await process.start(wait_ready=wait_ready)
+        yield process
+    except BaseException:
+        await _stop_or_kill(process, stop_timeout)  # the body's exception is the one to see
+        raise
+    if not await _stop_or_kill(process, stop_timeout):
+        raise DaemonStopTimeout(stop_timeout, process.log_text())

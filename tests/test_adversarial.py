@@ -12,7 +12,7 @@ import trio
 
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.client import UpgradeRejected, http_request
-from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
 FD_SETTLE_S = 10.0
 VALID_HEAD = (
@@ -57,10 +57,9 @@ async def send_raw(endpoint, payload: bytes) -> bytes:
 async def test_random_request_heads_never_crash_or_hang_the_daemon(tmp_path, authority):
     rng = random.Random(7)
     layout = make_layout(tmp_path / "d", authority=authority, websocket={"handshake_timeout_s": 1.0})
-    process = DaemonProcess(layout)
-    running = await process.start()
     answered = 0
-    try:
+    async with running_daemon(layout) as process:
+        running = process.running
         for i in range(1500):
             if i % 3 == 0:
                 payload = bytes(rng.randrange(256) for _ in range(rng.randint(0, 300)))
@@ -74,8 +73,7 @@ async def test_random_request_heads_never_crash_or_hang_the_daemon(tmp_path, aut
             assert process.proc.poll() is None, "the daemon died"
         health = await http_request(running.tcp, "GET", "/healthz")
         assert health.status == 200
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     assert answered > 1000
     assert "Traceback" not in process.log_text()
 
@@ -84,9 +82,8 @@ async def test_rejected_upgrades_leak_no_file_descriptors(tmp_path, authority):
     """400 upgrades, each refused at a different gate step in turn (sandbox mismatch 409, a
     forged assertion 401, a stale generation 409): the daemon's open files do not grow."""
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
+    async with running_daemon(layout) as process:
+        running = process.running
         async with running.client().connect(generation=1000):
             pass  # fences generation 1000: lower ones are stale from here on
         wrong_sandbox = running.client(sandbox_id="sbx-not-this-one")
@@ -115,6 +112,5 @@ async def test_rejected_upgrades_leak_no_file_descriptors(tmp_path, authority):
         with trio.move_on_after(FD_SETTLE_S):
             while (after := open_fds(process.proc.pid)) > before:
                 await trio.sleep(0.05)
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     assert after <= before

@@ -10,7 +10,7 @@ import trio
 
 from sandbox_supervisor.daemon.auth.gate import Lifecycle
 from sandbox_supervisor.testing.client import BootstrapRejected, default_bootstrap_body, http_request
-from sandbox_supervisor.testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout, running_daemon
 
 EXPECTED_BOOTSTRAP = (1002, "Expected session bootstrap as first frame.")
 MISMATCH = (1008, "Bootstrap does not match upgrade headers.")
@@ -137,10 +137,8 @@ async def test_body_rule_violations_close_1002_and_bind_nothing(daemon, agent, r
 
 async def test_rejection_receipt_terminates_and_exits_78(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
-        client = running.client()
+    async with running_daemon(layout) as process:
+        client = process.running.client()
         async with client.connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
         other = layout.workspace / "elsewhere"
@@ -150,15 +148,11 @@ async def test_rejection_receipt_terminates_and_exits_78(tmp_path, authority):
                 await session.bootstrap(cwd=str(other))  # sends the 4400 receipt
         assert info.value.code == "session_binding_mismatch"
         assert await process.wait(timeout=10) == 78
-    finally:
-        if process.proc.poll() is None:
-            await process.kill()
     events = process.log_events()
     assert any(e.get("event") == "bootstrap.rejection_receipt" and e.get("observed") for e in events)
     # Started again, it finds itself terminated and exits 78 at once, before listening.
-    restarted = DaemonProcess(layout)
-    await restarted.start(wait_ready=False)
-    assert await restarted.wait(timeout=10) == 78
+    async with running_daemon(layout, wait_ready=False) as restarted:
+        assert await restarted.wait(timeout=10) == 78
 
 
 async def test_receipt_makes_daemon_terminated_in_process(tmp_path, authority):
@@ -241,13 +235,10 @@ async def test_missing_repository_root_is_rejected(tmp_path, authority):
 
 async def test_startup_stage_facts_are_logged(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
-        async with running.client().connect() as session:
+    async with running_daemon(layout) as process:
+        async with process.running.client().connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     facts = [e for e in process.log_events() if e.get("event") == "sandbox.startup-stage"]
     assert [(f["stage"], f["outcome"]) for f in facts] == [
         ("bootstrap-persisted", "success"),

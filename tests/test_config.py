@@ -274,12 +274,11 @@ def test_empty_listen_lists_load_for_socket_activation() -> None:
 
 async def test_daemon_with_no_listener_at_all_exits_2(tmp_path: Path) -> None:
     from sandbox_supervisor.testing.authority import LoopbackAuthority
-    from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+    from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
     layout = make_layout(tmp_path / "d", authority=LoopbackAuthority(), listen={"tcp": [], "unix": []})
-    process = DaemonProcess(layout)
-    await process.start(wait_ready=False)
-    assert await process.wait(timeout=15) == 2
+    async with running_daemon(layout, wait_ready=False) as process:
+        assert await process.wait(timeout=15) == 2
     assert "no tcp or unix listener" in process.log_text()
 
 

@@ -15,7 +15,7 @@ import trio_websocket
 
 from sandbox_supervisor.daemon.state.store import DB_FILENAME
 from sandbox_supervisor.testing.client import UpgradeRejected
-from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout, running_daemon
 from sandbox_supervisor.daemon.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
 
 ZERO = "0" * 40
@@ -98,20 +98,21 @@ async def test_1000_calls_with_lost_responses_and_a_kill_9_in_the_middle(tmp_pat
     the daemon killed with SIGKILL once in the middle: every call executes exactly once."""
     rng = random.Random(1)
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    driver = Driver(process, await process.start())
-    calls = 1000
-    for k in range(calls):
-        kill_after = 0.0 if k == calls // 2 else None
-        await driver.call(create_params(f"f/{k}.txt", f"value {k}"), f"k-{k}", lose=0.2, rng=rng, kill_after=kill_after)
-    # Collect every result from the journal (the client never acked, nothing was pruned).
-    await driver.ensure_daemon()
-    async with driver.client.connect(ack_floor=0) as session:
-        state = await session.bootstrap(cwd=driver.cwd)
-        last = state["body"]["localEventMax"]
-        while max(driver.client.state.events, default=0) < last:
-            await session.receive()
-    assert await process.stop() == 0
+    # The driver kills and restarts this same process mid-body; leaving stops the current run.
+    async with running_daemon(layout) as process:
+        driver = Driver(process, process.running)
+        calls = 1000
+        for k in range(calls):
+            kill_after = 0.0 if k == calls // 2 else None
+            await driver.call(create_params(f"f/{k}.txt", f"value {k}"), f"k-{k}", lose=0.2, rng=rng, kill_after=kill_after)
+        # Collect every result from the journal (the client never acked, nothing was pruned).
+        await driver.ensure_daemon()
+        async with driver.client.connect(ack_floor=0) as session:
+            state = await session.bootstrap(cwd=driver.cwd)
+            last = state["body"]["localEventMax"]
+            while max(driver.client.state.events, default=0) < last:
+                await session.receive()
+    assert process.returncode == 0
 
     results = [f["body"] for f in driver.client.state.events.values() if f["kind"] == "tool.result"]
     per_key: dict[str, int] = {}
@@ -136,7 +137,6 @@ async def test_random_kill_9_while_patches_flow(tmp_path, authority):
     journal is dense."""
     rng = random.Random(20)
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
     ledger = layout.workspace / "ledger.txt"
     lines: list[str] = []
 
@@ -148,15 +148,17 @@ async def test_random_kill_9_while_patches_flow(tmp_path, authority):
             valid = ["".join(f"line {i}\n" for i in range(n)) for n in range(len(lines) + 2)]
             assert text in valid, "the ledger is not a prefix of the applied patches"
 
-    driver = CrashDriver(process, await process.start())
-    kills = 0
-    for k in range(40):
-        kill_after = rng.uniform(0, 0.008) if rng.random() < 0.5 else None
-        kills += kill_after is not None
-        result = await driver.call(append_params("ledger.txt", lines, f"line {k}"), f"ledger-{k}", kill_after=kill_after)
-        assert result["ok"] is True, result
-        lines.append(f"line {k}")
-    assert await process.stop() == 0
+    # The driver kills and restarts this same process mid-body; leaving stops the current run.
+    async with running_daemon(layout) as process:
+        driver = CrashDriver(process, process.running)
+        kills = 0
+        for k in range(40):
+            kill_after = rng.uniform(0, 0.008) if rng.random() < 0.5 else None
+            kills += kill_after is not None
+            result = await driver.call(append_params("ledger.txt", lines, f"line {k}"), f"ledger-{k}", kill_after=kill_after)
+            assert result["ok"] is True, result
+            lines.append(f"line {k}")
+    assert process.returncode == 0
     assert ledger.read_text() == "".join(f"line {k}\n" for k in range(40))
     assert driver.restarts == kills >= 10
     events, last_seq, pending = journal_rows(layout.state_dir)

@@ -26,7 +26,7 @@ from sandbox_supervisor.daemon.edge.http_front import (
 )
 from sandbox_supervisor.daemon.state.store import DB_FILENAME
 from sandbox_supervisor.testing.client import Endpoint, UpgradeRejected, http_request
-from sandbox_supervisor.testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from sandbox_supervisor.testing.daemon import DaemonExitedEarly, in_process_daemon, make_layout, running_daemon
 from sandbox_supervisor.testing.fuzzing import fuzz_settings
 
 MAX_MESSAGE = 128 * 1024
@@ -58,9 +58,8 @@ async def test_a_real_sigterm_drains_health_upgrades_and_new_commands(tmp_path, 
     command, /healthz says draining (503), an upgrade is refused 503 draining, and a new
     command on the still open socket is refused `interrupted` with its key freed."""
     layout = make_layout(tmp_path / "d", authority=authority, exec={"kill_grace_ms": 4000})
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
+    async with running_daemon(layout) as process:
+        running = process.running
         client = running.client()
         async with client.connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
@@ -82,8 +81,6 @@ async def test_a_real_sigterm_drains_health_upgrades_and_new_commands(tmp_path, 
             )
             assert refused["ok"] is False and refused["error"]["code"] == "interrupted"
         assert await process.wait(timeout=15) == 0
-    finally:
-        await process.stop()
     conn = sqlite3.connect(layout.state_dir / DB_FILENAME)
     try:  # the refused command's key was freed with its result (a later retry may run)
         assert conn.execute("SELECT COUNT(*) FROM idempotency WHERE key = 'late'").fetchone()[0] == 0
@@ -133,10 +130,10 @@ async def test_a_unix_path_in_use_is_refused_not_taken_over(tmp_path, authority)
     second = make_layout(tmp_path / "two", authority=authority, listen={"unix": [str(first.unix_socket)]})
     async with in_process_daemon(first) as daemon:
         before = os.stat(first.unix_socket).st_ino
-        process = DaemonProcess(second)
-        with pytest.raises(RuntimeError, match="exited with 1"):
-            await process.start()
-        assert "in use" in process.log_text()
+        with pytest.raises(DaemonExitedEarly) as exited:
+            async with running_daemon(second):
+                pass
+        assert exited.value.returncode == 1 and "in use" in exited.value.log
         assert os.stat(first.unix_socket).st_ino == before
         assert (await http_request(daemon.unix, "GET", "/healthz")).status == 200
 
@@ -159,10 +156,10 @@ async def test_a_unix_path_whose_listener_cannot_be_reached_is_not_taken_over(tm
             except BlockingIOError:
                 break
         layout = make_layout(tmp_path / "d", authority=authority, listen={"unix": [str(path)]})
-        process = DaemonProcess(layout)
-        with pytest.raises(RuntimeError, match="exited with 1"):
-            await process.start()
-        assert "may be in use" in process.log_text()
+        with pytest.raises(DaemonExitedEarly) as exited:
+            async with running_daemon(layout):
+                pass
+        assert exited.value.returncode == 1 and "may be in use" in exited.value.log
         assert path.is_socket()
     finally:
         for client in waiting:
@@ -210,18 +207,15 @@ async def test_the_log_names_the_close_the_websocket_library_made(tmp_path, auth
     """trio-websocket closes an oversized message with 1009 itself; socket.closed must say
     1009 and its reason, not the default close the daemon would have sent."""
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
-        async with running.client().connect() as session:
+    async with running_daemon(layout) as process:
+        async with process.running.client().connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
             await session.ws.send_message("x" * (MAX_MESSAGE + 1))
             assert (await session.closed_reason()).code == 1009
         with trio.fail_after(10):
             while not (closed := [e for e in process.log_events() if e.get("event") == "socket.closed"]):
                 await trio.sleep(0.02)
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     assert (closed[0]["code"], closed[0]["reason"]) == (1009, "Exceeded maximum message size: 131072 bytes")
 
 
@@ -372,15 +366,15 @@ async def test_live_peer_answering_pings_is_not_closed(tmp_path, authority):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 async def test_stop_signal_closes_sockets_1001_and_exits_0(tmp_path, authority, signum):
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    async with running.client(running.unix).connect() as session:
-        await session.bootstrap(cwd=str(layout.workspace))
-        started = trio.current_time()
-        process.send_signal(signum)
-        reason = await session.closed_reason(timeout=5)
-        assert (reason.code, reason.reason) == (1001, "Supervisor listener stopping.")
-    assert await process.wait(timeout=5) == 0
+    async with running_daemon(layout) as process:
+        running = process.running
+        async with running.client(running.unix).connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            started = trio.current_time()
+            process.send_signal(signum)
+            reason = await session.closed_reason(timeout=5)
+            assert (reason.code, reason.reason) == (1001, "Supervisor listener stopping.")
+        assert await process.wait(timeout=5) == 0
     assert trio.current_time() - started < 3
     assert not layout.unix_socket.exists()
 

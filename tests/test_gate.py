@@ -14,7 +14,7 @@ from sandbox_supervisor.daemon.auth.gate import Lifecycle
 from sandbox_supervisor.testing import authority as forge
 from sandbox_supervisor.testing.authority import OMIT, LoopbackAuthority, combine_jwks
 from sandbox_supervisor.testing.client import BootstrapRejected, UpgradeRejected
-from sandbox_supervisor.testing.daemon import DaemonProcess, in_process_daemon, make_layout
+from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout, running_daemon
 
 
 def endpoint_of(daemon, transport):
@@ -43,9 +43,8 @@ async def test_row1_terminated_after_a_rejected_bootstrap(tmp_path, authority):
     test_front.test_a_real_sigterm_drains_health_upgrades_and_new_commands.)"""
     layout = make_layout(tmp_path / "d", authority=authority, exec={"kill_grace_ms": 4000})
     (layout.workspace / "sub").mkdir()
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
+    async with running_daemon(layout) as process:
+        running = process.running
         client = running.client()
         async with client.connect(generation=1) as bound:
             await bound.bootstrap(cwd=str(layout.workspace))
@@ -61,8 +60,6 @@ async def test_row1_terminated_after_a_rejected_bootstrap(tmp_path, authority):
             assert (error.status, error.error) == (503, "terminated")
             assert error.body["message"]
         assert await process.wait(timeout=15) == 78
-    finally:
-        await process.stop()
 
 
 @pytest.mark.parametrize(
@@ -117,24 +114,18 @@ async def test_sandbox_id_env_fallback_only_when_file_is_absent(tmp_path, author
     # File absent: the environment names the sandbox.
     layout = make_layout(tmp_path / "d", authority=authority)
     layout.sandbox_id_file.unlink()
-    process = DaemonProcess(layout, env={"E2B_SANDBOX_ID": layout.sandbox_id})
-    running = await process.start()
-    try:
-        async with running.client().connect():
+    async with running_daemon(layout, env={"E2B_SANDBOX_ID": layout.sandbox_id}) as process:
+        async with process.running.client().connect():
             pass
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     # File present: it wins over a different id in the environment.
     layout = make_layout(tmp_path / "e", authority=authority)
-    process = DaemonProcess(layout, env={"E2B_SANDBOX_ID": "sbx-from-the-environment"})
-    running = await process.start()
-    try:
-        async with running.client().connect():
+    async with running_daemon(layout, env={"E2B_SANDBOX_ID": "sbx-from-the-environment"}) as process:
+        async with process.running.client().connect():
             pass
-        error = await rejected(running.client(sandbox_id="sbx-from-the-environment"), generation=2)
+        error = await rejected(process.running.client(sandbox_id="sbx-from-the-environment"), generation=2)
         assert (error.status, error.error) == (409, "sandbox_mismatch")
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
 
 
 async def test_sandbox_id_is_cached_once_read(daemon):
@@ -371,17 +362,14 @@ async def test_bad_jwks_on_reload_keeps_previous_keys(daemon):
 async def test_jwks_with_private_key_refused_at_start(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
     layout.jwks_file.write_text(json.dumps({"keys": [authority.signing_jwk()]}))
-    process = DaemonProcess(layout)
-    await process.start(wait_ready=False)
-    assert await process.wait(timeout=15) == 2
+    async with running_daemon(layout, wait_ready=False) as process:
+        assert await process.wait(timeout=15) == 2
     assert "jwks" in process.log_text().lower()
 
 
 async def test_sighup_reloads_keys(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
+    async with running_daemon(layout) as process:
         new = LoopbackAuthority(kid="after-hup", issuer=authority.issuer)
         # Same size, same mtime second: a change only SIGHUP is sure to notice.
         layout.jwks_file.write_text(json.dumps(new.jwks()))
@@ -394,26 +382,22 @@ async def test_sighup_reloads_keys(tmp_path, authority):
                 for e in process.log_events()
             ):
                 await trio.sleep(0.02)
-        client = running.client()
+        client = process.running.client()
         client.authority = new
         async with client.connect():
             pass
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
 
 
 async def test_upgrade_decisions_are_logged_without_the_assertion(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    client = running.client()
-    token = client.mint(generation=1, attempt_id="a-1", ack_floor=0)
-    try:
+    async with running_daemon(layout) as process:
+        client = process.running.client()
+        token = client.mint(generation=1, attempt_id="a-1", ack_floor=0)
         async with client.connect(generation=1, attempt_id="a-1", assertion=token):
             pass
         await rejected(client, generation=1, attempt_id="a-1", assertion=token)
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     events = process.log_events()
     accepted = [e for e in events if e.get("event") == "upgrade.accepted"]
     refused = [e for e in events if e.get("event") == "upgrade.rejected"]

@@ -11,7 +11,7 @@ import re
 import trio
 
 from sandbox_supervisor.testing.client import http_request
-from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
 CANARY = "canary-7d1e0c9b"
 EVENT_NAME = re.compile(r"""(?:log|bound_log|self\.log)\.(?:info|warning|error|exception|debug)\(\s*"([a-z_.-]+)"|safe_log\(\s*log,\s*"([a-z_.-]+)\"""")
@@ -19,11 +19,10 @@ EVENT_NAME = re.compile(r"""(?:log|bound_log|self\.log)\.(?:info|warning|error|e
 
 async def test_canary_never_reaches_logs_frames_or_health(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout, env={"DAEMON_SECRET": CANARY})
-    running = await process.start()
-    client = running.client()
     frames = []
-    try:
+    async with running_daemon(layout, env={"DAEMON_SECRET": CANARY}) as process:
+        running = process.running
+        client = running.client()
         async with client.connect() as session:
             body = {
                 "sessionId": client.session_id,
@@ -46,8 +45,7 @@ async def test_canary_never_reaches_logs_frames_or_health(tmp_path, authority):
         token = client.mint(generation=99, attempt_id="a-canary", ack_floor=0, jti=CANARY)
         async with client.connect(generation=99, attempt_id="a-canary", ack_floor=0, assertion=token):
             pass
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     log = process.log_text()
     assert log, "the daemon logged nothing"
     assert CANARY not in log
@@ -72,19 +70,16 @@ async def test_commands_do_not_inherit_the_daemons_oom_protection(tmp_path, auth
     from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ, read_oom_score_adj
 
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
+    async with running_daemon(layout) as process:
         daemon_value = read_oom_score_adj(process.proc.pid)
-        async with running.client().connect() as session:
+        async with process.running.client().connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
             result = await session.call_and_wait(
                 "execute_shell_command",
                 {"command": "cat /proc/self/oom_score_adj; bash -c 'cat /proc/self/oom_score_adj'"},
                 idempotency_key="oom",
             )
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     values = [int(v) for v in result["result"]["stdout"]["head"].split()]
     assert values == [COMMAND_OOM_SCORE_ADJ, COMMAND_OOM_SCORE_ADJ]
     assert daemon_value != COMMAND_OOM_SCORE_ADJ
@@ -112,10 +107,8 @@ async def test_a_malformed_head_never_logs_its_header_values(tmp_path, authority
     """h11 quotes the line it refuses; an assertion sent with a space before the colon must
     not reach the log through that quote."""
     layout = make_layout(tmp_path / "d", authority=authority)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
-        stream = await running.tcp.open_stream()
+    async with running_daemon(layout) as process:
+        stream = await process.running.tcp.open_stream()
         await stream.send_all(
             b"GET /v1/control HTTP/1.1\r\nHost: localhost\r\n"
             b"x-coding-agent-control-authority : eyJ" + CANARY.encode() + b"\r\n\r\n"
@@ -129,6 +122,5 @@ async def test_a_malformed_head_never_logs_its_header_values(tmp_path, authority
         with trio.fail_after(10):
             while not any(e.get("event") == "http.bad_request" for e in process.log_events()):
                 await trio.sleep(0.02)
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     assert CANARY not in process.log_text()

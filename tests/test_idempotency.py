@@ -32,6 +32,26 @@ def test_outcome_decision_table():
     assert idempotency_outcome(record("pending", "d"), "d") is Outcome.PENDING
     assert idempotency_outcome(record("completed", "d"), "other") is Outcome.KEY_REUSED
     assert idempotency_outcome(record("pending", "d"), "other") is Outcome.KEY_REUSED
+    # A pending record whose execution finished here but whose result the database refused:
+    # the result is journaled now, never reported as still pending.
+    assert idempotency_outcome(record("pending", "d"), "d", kept=True) is Outcome.JOURNAL_KEPT
+    assert idempotency_outcome(record("pending", "d"), "other", kept=True) is Outcome.KEY_REUSED
+    assert idempotency_outcome(record("completed", "d"), "d", kept=True) is Outcome.REPLAY
+    assert idempotency_outcome(None, "d", kept=True) is Outcome.RUN
+
+
+def test_tool_replayed_embeds_the_journaled_result_byte_for_byte():
+    """The one encoder writes the journaled tool.result and re-encodes it inside
+    tool.replayed: the embedded text is exactly what was journaled (docs: byte for byte)."""
+    from sandbox_supervisor.protocol.frames import encode_event, encode_replayed
+
+    body = {
+        "call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": "k", "tool_name": "read_file",
+        "ok": False, "error": {"code": "interrupted", "message": "é \u2028 \"q\"", "stdout": {"x": 1.5e-07, "n": None}},
+    }
+    journaled = encode_event("tool.result", 41, body)
+    replayed = encode_replayed("6f1c1d2e-0000-4000-8000-000000000001", "k", journaled)
+    assert replayed.endswith(',"original":' + journaled + "}}")
 
 
 async def bootstrapped(daemon, **client_kwargs):

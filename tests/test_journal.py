@@ -183,14 +183,12 @@ def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_pa
 async def test_large_results_do_not_pin_daemon_memory(tmp_path, authority):
     """300 read_file results of ~400 KB each (64 KiB of control bytes, escaped), read and
     acked by the client: the daemon's memory does not keep them."""
-    from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+    from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
     layout = make_layout(tmp_path / "d", authority=authority)
     (layout.workspace / "control.bin").write_bytes(b"\x01" * 65536)
-    process = DaemonProcess(layout)
-    running = await process.start()
-    try:
-        async with running.client().connect() as session:
+    async with running_daemon(layout) as process:
+        async with process.running.client().connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
             for _ in range(20):  # warm-up: first-use allocations are not growth
                 await session.call_and_wait("read_file", {"path": "control.bin"})
@@ -200,8 +198,7 @@ async def test_large_results_do_not_pin_daemon_memory(tmp_path, authority):
                 assert result["result"]["length"] == 65536
             await session.ack()  # everything received so far
             growth_mib = (_rss_kib(process.proc.pid) - baseline) / 1024
-    finally:
-        assert await process.stop() == 0
+    assert process.returncode == 0
     print(f"daemon RSS growth over 300 large results: {growth_mib:.1f} MiB")
     assert growth_mib < 48  # 300 frames of ~400 KB would be ~115 MiB if memory kept them
 

@@ -11,7 +11,7 @@ import statistics
 import trio
 
 from sandbox_supervisor.testing.client import Endpoint, http_request
-from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
+from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
 WATCHDOG_USEC = 400_000  # pings expected every 0.2 s
 
@@ -47,34 +47,33 @@ async def test_ready_watchdog_and_stopping(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority)
     listener = NotifyListener(tmp_path / "notify.sock")
     await listener.bind()
-    process = DaemonProcess(layout, env={"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)})
+    env = {"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)}
     try:
-        await process.start(wait_ready=False)
-        await listener.until("READY=1")
-        # READY means the listeners answer: health over both, without waiting any further.
-        listening = json.loads((layout.state_dir / "listening.json").read_text())
-        for endpoint in (Endpoint.parse(listening["tcp"][0]), Endpoint(unix=listening["unix"][0])):
-            assert (await http_request(endpoint, "GET", "/healthz")).status == 200
-        assert any("STATUS=" in text for _, text in listener.messages)
+        # wait_ready=False: READY=1 on the notify socket is what this test waits for.
+        async with running_daemon(layout, env=env, wait_ready=False) as process:
+            await listener.until("READY=1")
+            # READY means the listeners answer: health over both, without waiting any further.
+            listening = json.loads((layout.state_dir / "listening.json").read_text())
+            for endpoint in (Endpoint.parse(listening["tcp"][0]), Endpoint(unix=listening["unix"][0])):
+                assert (await http_request(endpoint, "GET", "/healthz")).status == 200
+            assert any("STATUS=" in text for _, text in listener.messages)
 
-        pings = []
-        with trio.move_on_after(1.3):
-            while True:
-                if await listener.next() == "WATCHDOG=1":
-                    pings.append(trio.current_time())
-        gaps = [b - a for a, b in zip(pings, pings[1:])]
-        assert len(pings) >= 4
-        # Half of WATCHDOG_USEC, roughly: never early, and typically on time (the median;
-        # one late ping on a loaded machine is not what this checks).
-        assert all(gap > 0.1 for gap in gaps) and statistics.median(gaps) < 0.4, gaps
+            pings = []
+            with trio.move_on_after(1.3):
+                while True:
+                    if await listener.next() == "WATCHDOG=1":
+                        pings.append(trio.current_time())
+            gaps = [b - a for a, b in zip(pings, pings[1:])]
+            assert len(pings) >= 4
+            # Half of WATCHDOG_USEC, roughly: never early, and typically on time (the median;
+            # one late ping on a loaded machine is not what this checks).
+            assert all(gap > 0.1 for gap in gaps) and statistics.median(gaps) < 0.4, gaps
 
-        process.send_signal(signal.SIGTERM)
-        await listener.until("STOPPING=1")
-        assert await process.wait() == 0
+            process.send_signal(signal.SIGTERM)
+            await listener.until("STOPPING=1")
+            assert await process.wait() == 0
     finally:
         listener.close()
-        if process.proc is not None and process.proc.poll() is None:
-            await process.kill()
 
 
 async def test_no_ready_when_the_configuration_is_invalid(tmp_path, authority):
@@ -82,10 +81,9 @@ async def test_no_ready_when_the_configuration_is_invalid(tmp_path, authority):
     layout.jwks_file.write_text(json.dumps({"keys": [authority.signing_jwk()]}))  # a private key
     listener = NotifyListener(tmp_path / "notify.sock")
     await listener.bind()
-    process = DaemonProcess(layout, env={"NOTIFY_SOCKET": listener.path})
     try:
-        await process.start(wait_ready=False)
-        assert await process.wait(timeout=15) == 2
+        async with running_daemon(layout, env={"NOTIFY_SOCKET": listener.path}, wait_ready=False) as process:
+            assert await process.wait(timeout=15) == 2
         with trio.move_on_after(0.3):
             while True:
                 await listener.next()
@@ -102,11 +100,10 @@ async def test_terminated_daemon_reports_stopping_at_start(tmp_path, authority):
         store.mark_terminated("session_binding_mismatch", "test", 0.0)
     listener = NotifyListener(tmp_path / "notify.sock")
     await listener.bind()
-    process = DaemonProcess(layout, env={"NOTIFY_SOCKET": listener.path})
     try:
-        await process.start(wait_ready=False)
-        await listener.until("STOPPING=1")
-        assert await process.wait(timeout=15) == 78
+        async with running_daemon(layout, env={"NOTIFY_SOCKET": listener.path}, wait_ready=False) as process:
+            await listener.until("STOPPING=1")
+            assert await process.wait(timeout=15) == 78
         assert all("READY=1" not in text for _, text in listener.messages)
     finally:
         listener.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -198,7 +199,7 @@ def render_response(
     body: bytes,
     *,
     content_type: bytes = b"application/json",
-    extra_headers: list[tuple[bytes, bytes]] | tuple = (),
+    extra_headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> bytes:
     reason = HTTPStatus(status).phrase.encode("ascii")
     lines = [
@@ -212,19 +213,19 @@ def render_response(
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-def json_body(payload: dict) -> bytes:
+def json_body(payload: Mapping[str, object]) -> bytes:
     return json.dumps(payload, separators=(",", ":")).encode("utf-8")
 
 
 def render_error(
-    status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] | tuple = ()
+    status: int, code: str, message: str, extra_headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> bytes:
     return render_response(
         status, json_body({"error": code, "message": message}), extra_headers=extra_headers
     )
 
 
-def render_refusal(code: str, extra_headers: list[tuple[bytes, bytes]] | tuple = ()) -> bytes:
+def render_refusal(code: str, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes:
     """The HTTP answer of one refusal code, as protocol.errors.HTTP_ERRORS defines it."""
     status, message = errors.HTTP_ERRORS[code]
     return render_error(status, code, message, extra_headers)

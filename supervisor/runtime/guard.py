@@ -57,6 +57,7 @@ understood, so the agent can rewrite the line):
 
 from __future__ import annotations
 
+import enum
 import io
 import re
 import shlex
@@ -83,6 +84,8 @@ _OPERATORS = (
 _SEPARATORS = frozenset({";", "&", "&&", "||", "|", "|&", ";;", ";&", ";;&", _NEWLINE})
 _REDIRECTIONS = frozenset({"<", ">", ">>", ">|", "<>", ">&", "<&", "&>", "&>>", "<<", "<<<"})
 _HEREDOC = "<<"
+_SINGLE_QUOTE, _DOUBLE_QUOTE, _BACKSLASH = "'", '"', "\\"
+_CONTINUATION = _BACKSLASH + _NEWLINE  # joins two lines, outside single quotes
 _OPEN, _CLOSE = "(", ")"
 
 # Keywords that only introduce or close a construct whose commands follow as simple commands.
@@ -234,7 +237,8 @@ class _Lexer:
         if value is None:
             return False
         # shlex reads one character past a token; punctuation it pushes back for the next one.
-        pushed_back = len(self._shlex._pushback_chars)  # noqa: SLF001 (no public accessor)
+        # No public accessor, and typeshed does not declare the attribute: read it by name.
+        pushed_back = len(getattr(self._shlex, "_pushback_chars"))
         self._position = self._stream.tell() - pushed_back
         raw = self._text[before : self._position]
         stripped = raw.lstrip(_BLANKS)
@@ -344,48 +348,77 @@ def _substitutes(raw: str, *, in_heredoc: bool) -> bool:
     return False
 
 
-def _live_characters(raw: str, *, in_heredoc: bool) -> Iterator[tuple[int, str | None]]:
-    """Indexes of the characters the shell may expand: outside single quotes and not
-    escaped, each with the quote it stands in (None, or '"'). In a here-document body
-    quotes are plain text."""
+# --- quoting: one scanner ---
+#
+# Three questions need to know how the shell reads a word's quoting: which characters it may
+# still expand ($, backticks, globs), and where a backslash-newline joins lines. They all walk
+# the same small state machine, here:
+#
+#   state    on '        on "        on \            on any other character
+#   bare     → single    → double    escape the next  live
+#   double   live        → bare      escape the next  live
+#   single   → bare      text        text             text
+#
+# A quote character that opens or closes a quote is a live unit itself (nothing expands in
+# it, but it is not text). In the body of a here-document quotes are text: only the
+# backslash escapes, so the state never leaves bare.
+
+
+class _Role(enum.Enum):
+    LIVE = "live"  # outside single quotes and not escaped: the shell may expand it
+    ESCAPED = "escaped"  # a backslash and the character it escapes (just the backslash at the end)
+    QUOTED = "quoted"  # inside single quotes, the closing quote included: plain text
+
+
+# One unit: where it starts, its role, and the quote it stands in (None, '"' or "'"). An
+# ESCAPED unit is two characters long (one at the very end), every other unit one.
+_Unit = tuple[int, _Role, str | None]
+
+
+def _scan(raw: str, *, quotes: bool = True) -> Iterator[_Unit]:
+    """`raw` cut into units as the shell reads its quoting (the table above); with
+    `quotes=False`, a here-document body, quote characters are plain text."""
+    live, escaped, quoted = _Role.LIVE, _Role.ESCAPED, _Role.QUOTED  # hot loop: locals
     quote: str | None = None
     index = 0
     while index < len(raw):
         char = raw[index]
-        if quote == "'":
-            quote = None if char == "'" else quote
-        elif char == "\\":
-            index += 1  # the next character is escaped
+        if quote == _SINGLE_QUOTE:
+            yield index, quoted, quote
+            if char == _SINGLE_QUOTE:
+                quote = None
+            index += 1
+        elif char == _BACKSLASH:
+            yield index, escaped, quote
+            index += 2
         else:
+            yield index, live, quote
+            if quotes and char == _SINGLE_QUOTE and quote is None:
+                quote = _SINGLE_QUOTE
+            elif quotes and char == _DOUBLE_QUOTE:
+                quote = None if quote == _DOUBLE_QUOTE else _DOUBLE_QUOTE
+            index += 1
+
+
+def _live_characters(raw: str, *, in_heredoc: bool) -> Iterator[tuple[int, str | None]]:
+    """Indexes of the characters the shell may expand, each with the quote it stands in
+    (None, or '"')."""
+    live = _Role.LIVE
+    for index, role, quote in _scan(raw, quotes=not in_heredoc):
+        if role is live:
             yield index, quote
-            if in_heredoc:
-                pass
-            elif char == "'" and quote is None:
-                quote = "'"
-            elif char == '"':
-                quote = None if quote == '"' else '"'
-        index += 1
 
 
 def _join_continuations(raw: str, *, quotes: bool) -> str:
     """`raw` without its backslash-newlines (kept inside single quotes when `quotes`)."""
     out: list[str] = []
-    quote: str | None = None
-    index = 0
-    while index < len(raw):
-        char = raw[index]
-        if quote == "'":
-            quote = None if char == "'" else quote
-        elif char == "\\":
+    for index, role, _ in _scan(raw, quotes=quotes):
+        if role is _Role.ESCAPED:
             pair = raw[index : index + 2]  # an escaped character stays as it is
-            if pair != "\\\n":
+            if pair != _CONTINUATION:
                 out.append(pair)
-            index += 2
-            continue
-        elif quotes and char in "'\"":
-            quote = None if quote == char else (quote or char)
-        out.append(char)
-        index += 1
+        else:
+            out.append(raw[index])
     return "".join(out)
 
 
@@ -751,26 +784,14 @@ def _heredoc(delimiter: _Word, *, strip_tabs: bool) -> _Heredoc:
 
 def _expands(raw: str) -> bool:
     """Does the word hold `$` outside single quotes, or an unquoted glob or brace expansion?"""
-    quote: str | None = None
-    index = 0
-    while index < len(raw):
+    for index, quote in _live_characters(raw, in_heredoc=False):
         char = raw[index]
-        if quote == "'":
-            quote = None if char == "'" else quote
-        elif char == "\\":
-            index += 1
-        elif char == "$":
+        if char == "$":
             return True
-        elif char == '"':
-            quote = None if quote == '"' else '"'
-        elif quote is None:
-            if char == "'":
-                quote = "'"
-            elif char in "*?":
-                return True
-            elif char == "[" and "]" in raw[index + 1 :]:
-                return True
-            elif char == "{" and _BRACE_EXPANSION.match(raw, index):
-                return True
-        index += 1
+        if quote is None and (
+            char in "*?"
+            or (char == "[" and "]" in raw[index + 1 :])
+            or (char == "{" and _BRACE_EXPANSION.match(raw, index) is not None)
+        ):
+            return True
     return False
