@@ -1,7 +1,7 @@
 """Run the benchmark suite: `python bench/run.py [--quick] [--only NAME[,NAME…]] [--json FILE]`.
 
 Prints one `BENCH` line per benchmark (what the daemon did, the floor measured in the same
-run, the ratio, the target from docs TARGETS.md, and PASS or MISS). A MISS is reported, not
+run, the ratio, its target (bench/README.md), and PASS or MISS). A MISS is reported, not
 fatal: the exit status is 0 unless a benchmark could not run at all (then 1).
 """
 

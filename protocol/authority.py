@@ -1,4 +1,4 @@
-"""The control-authority assertion (PROTOCOL.md section 3): claims, JWKS loading, verification.
+"""The control-authority assertion (docs/protocol.md §3): claims, JWKS loading, verification.
 
 Pure: the caller reads the JWKS file, passes the clock (`now`) and keeps the jti replay cache
 (the daemon's store does, durably). The verifier pins everything an attacker could choose:

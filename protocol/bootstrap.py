@@ -1,4 +1,4 @@
-"""The `session.bootstrap` body and the rules checkable from it alone (PROTOCOL.md 6.1).
+"""The `session.bootstrap` body and the rules checkable from it alone (docs/protocol.md §5.3, §6.3).
 
 Rules that need the file system or the configuration (cwd exists inside the workspace root,
 roots exist, profile allowed) are the binder's; everything here is pure.
@@ -94,7 +94,7 @@ class Repository(StrictModel):
 class BootstrapBody(StrictModel):
     """Every repositories[i].root equals agent.cwd or lies under agent.cwd + "/"."""
 
-    sessionId: Id  # camelCase: the wire name of the session frames (6), used as is in code
+    sessionId: Id  # camelCase: the wire name of the session frames (§6.1), used as is in code
     agent: AgentSpec
     repositories: Annotated[list[Repository], Field(max_length=MAX_REPOSITORIES)] = []
 

@@ -1,5 +1,6 @@
 """WebSocket close codes and reasons of the control channel: one definition for the daemon,
-the reference client and the docs (whose table is generated from `CLOSES`)."""
+the reference client and the docs (docs/codes.md is generated from `CLOSES`; the rules are
+in docs/protocol.md §4.4)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ REJECTION_RECEIPT_REASON = "bootstrap rejection received"
 SEND_FAILED_REASON = "Supervisor could not send a frame."
 INTERNAL_REASON = "Supervisor internal error."
 TOO_BIG_REASON = "Message is larger than the limit."
+# Not ours: trio-websocket's text when a message passes its own limit, which it counts in
+# characters while the message arrives. Shown with the default websocket.max_message_bytes;
+# the number is the configured limit.
+LIBRARY_TOO_BIG_REASON = "Exceeded maximum message size: 131072 bytes"
 
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is ≤ 125 bytes, 2 are the code
 
@@ -55,10 +60,11 @@ CLOSES: tuple[Close, ...] = (
     Close(CLOSE_UNSUPPORTED_DATA, BINARY_REASON, "supervisor", "a binary message arrived"),
     Close(CLOSE_POLICY_VIOLATION, BOOTSTRAP_MISMATCH_REASON, "supervisor", "the bootstrap's sessionId or generation differs from the upgrade's headers"),
     Close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON, "supervisor", "a newer upgrade moved the fence or took the session"),
-    Close(CLOSE_MESSAGE_TOO_BIG, TOO_BIG_REASON, "supervisor", "a text message is over websocket.max_message_bytes"),
+    Close(CLOSE_MESSAGE_TOO_BIG, LIBRARY_TOO_BIG_REASON, "supervisor", "a message of more than websocket.max_message_bytes characters, stopped by the WebSocket library while it arrives"),
+    Close(CLOSE_MESSAGE_TOO_BIG, TOO_BIG_REASON, "supervisor", "a text message of at most websocket.max_message_bytes characters whose UTF-8 is longer than that many bytes"),
     Close(CLOSE_INTERNAL_ERROR, IDLE_REASON, "supervisor", "no inbound traffic (pongs included) for websocket.idle_timeout_s"),
     Close(CLOSE_INTERNAL_ERROR, RECEIPT_NOT_OBSERVED_REASON, "supervisor", "no 4400 receipt after session.bootstrap.rejected"),
     Close(CLOSE_INTERNAL_ERROR, SEND_FAILED_REASON, "supervisor", "a frame the socket needed could not be sent"),
-    Close(CLOSE_INTERNAL_ERROR, INTERNAL_REASON, "supervisor", "the binding could not be persisted, or a bug cost this socket"),
+    Close(CLOSE_INTERNAL_ERROR, INTERNAL_REASON, "supervisor", "the state database failed during the bootstrap, or a bug cost this socket"),
     Close(CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON, "client", "the client read session.bootstrap.rejected"),
 )

@@ -1,13 +1,15 @@
 """Stable error codes of the protocol: one name per code, so no string literal is repeated.
 
 Three families share this module because a peer sees all of them in the same `code` /
-`error` fields: frame and tool-result codes (PROTOCOL.md 6.2, 7), the upgrade gate's HTTP
-codes (section 2 and the routes of section 1), and bootstrap rejection codes (6.1).
+`error` fields: frame and tool-result codes (docs/protocol.md §6.5, §7.6), the HTTP codes of
+the routes and the upgrade gate (§1, §2), and bootstrap rejection codes (§5.4). Each family
+also has a one-line meaning per code: docs/codes.md is generated from them
+(`python -m sandbox_supervisor.protocol.codes_doc`).
 """
 
 from __future__ import annotations
 
-# --- `error` frames and `tool.result` errors (sections 6.2 and 7) ---
+# --- `error` frames and `tool.result` errors (docs/protocol.md §6.5, §7.6) ---
 INVALID_FRAME = "invalid_frame"
 UNKNOWN_KIND = "unknown_kind"
 FORBIDDEN = "forbidden"
@@ -25,7 +27,7 @@ TOO_MANY_PROCESSES = "too_many_processes"
 INTERRUPTED = "interrupted"
 INTERNAL = "internal"
 
-# --- HTTP answers of the front and the upgrade gate (sections 1 and 2) ---
+# --- HTTP answers of the front and the upgrade gate (docs/protocol.md §1, §2) ---
 DRAINING = "draining"
 TERMINATED = "terminated"
 INVALID_ROUTING_HEADERS = "invalid_routing_headers"
@@ -44,7 +46,7 @@ TOO_MANY_HANDSHAKES = "too_many_handshakes"
 REQUEST_HEAD_TOO_LARGE = "request_head_too_large"
 BAD_REQUEST = "bad_request"
 
-# --- `session.bootstrap.rejected` codes (section 6.1) ---
+# --- `session.bootstrap.rejected` codes (docs/protocol.md §5.4) ---
 BOOTSTRAP_MISMATCH = "session_binding_mismatch"
 CWD_INVALID = "cwd_not_in_workspace"
 REPOSITORY_MISSING = "repository_root_missing"
@@ -58,7 +60,7 @@ HTTP_ERRORS: dict[str, tuple[int, str]] = {
     UPGRADE_REQUIRED: (426, "This route takes a WebSocket upgrade."),
     REQUEST_HEAD_TOO_LARGE: (431, "The request head is too large."),
     TOO_MANY_HANDSHAKES: (503, "Too many handshakes in progress; retry shortly."),
-    # The upgrade gate's checks, in their order (section 2).
+    # The upgrade gate's checks, in their order (docs/protocol.md §2.2).
     DRAINING: (503, "The supervisor is stopping."),
     TERMINATED: (503, "The supervisor has terminated after a bootstrap rejection."),
     INVALID_ROUTING_HEADERS: (400, "A routing header is missing or malformed."),
@@ -70,7 +72,7 @@ HTTP_ERRORS: dict[str, tuple[int, str]] = {
     STALE_GENERATION: (409, "The connection generation is stale."),
     STATE_UNAVAILABLE: (500, "The supervisor could not record the connection."),
 }
-# The codes a `tool.result` with ok:false may carry (section 7).
+# The codes a `tool.result` with ok:false may carry (docs/protocol.md §7.6).
 TOOL_ERROR_CODES = frozenset(
     {
         INVALID_PARAMETERS,
@@ -84,4 +86,151 @@ TOOL_ERROR_CODES = frozenset(
         INTERRUPTED,
         INTERNAL,
     }
+)
+# The codes an `error` frame may carry (docs/protocol.md §6.5). Not journaled; the socket
+# stays open.
+FRAME_ERROR_CODES = frozenset(
+    {
+        INVALID_FRAME,
+        UNKNOWN_KIND,
+        GENERATION_MISMATCH,
+        ACK_AHEAD,
+        FORBIDDEN,
+        UNKNOWN_CALL,
+        NOT_RUNNING,
+        INTERNAL,
+    }
+)
+# The codes of `session.bootstrap.rejected` (docs/protocol.md §5.4). Every one is terminal.
+BOOTSTRAP_REJECTION_CODES = frozenset(
+    {BOOTSTRAP_MISMATCH, CWD_INVALID, REPOSITORY_MISSING, PROFILE_NOT_ALLOWED}
+)
+
+# --- what each code means, one line each (docs/codes.md is rendered from these) ---
+# Kept per family, because one text ("not_found") is both an HTTP route code and a tool code,
+# with two meanings. The order of each table is the order of docs/codes.md.
+
+HTTP_ERROR_MEANINGS: dict[str, str] = {
+    BAD_REQUEST: "The bytes are not an HTTP/1.x request head (an HTTP/1.1 request without Host included).",
+    NOT_FOUND_ROUTE: (
+        "No such route: another path or method, HEAD, the health path with an Upgrade: websocket "
+        "token, or the metrics path while metrics are disabled."
+    ),
+    UPGRADE_REQUIRED: (
+        "The control path without a well-formed WebSocket handshake; sent with the headers "
+        "upgrade: websocket and sec-websocket-version: 13."
+    ),
+    REQUEST_HEAD_TOO_LARGE: "The request head is over 16,384 bytes, the terminating blank line included.",
+    TOO_MANY_HANDSHAKES: (
+        "websocket.max_handshakes connections are already between accept and the end of their "
+        "handshake; retry shortly."
+    ),
+    DRAINING: "Gate step 1: the supervisor is stopping.",
+    TERMINATED: "Gate step 1: a bootstrap was rejected; the supervisor exits 78 and never serves again.",
+    INVALID_ROUTING_HEADERS: (
+        "Gate step 2: a routing header other than the assertion is missing, malformed or "
+        "duplicated, or the assertion header is duplicated."
+    ),
+    SANDBOX_IDENTITY_UNAVAILABLE: (
+        "Gate step 3: the local sandbox id cannot be read or is not a valid id; it is read "
+        "again at the next upgrade."
+    ),
+    SANDBOX_MISMATCH: "Gate step 4: e2b-sandbox-id is not this sandbox's id.",
+    INVALID_AUTHORITY: (
+        'Gate step 5: the assertion is missing or invalid, or its jti was already used; sent '
+        'with WWW-Authenticate: Bearer error="invalid_token".'
+    ),
+    SESSION_MISMATCH: "Gate step 6: the supervisor is bound to another session id.",
+    ACK_FLOOR_AHEAD: "Gate step 7: x-coding-agent-event-ack is above the highest journaled seq.",
+    STALE_GENERATION: (
+        "Gate step 8: the generation does not pass the fence (lower, or equal with another "
+        "attempt id)."
+    ),
+    STATE_UNAVAILABLE: (
+        "The state database could not be read for the gate's checks, or the admission could "
+        "not be recorded."
+    ),
+}
+
+FRAME_ERROR_MEANINGS: dict[str, str] = {
+    INVALID_FRAME: (
+        "The frame is not JSON, not an object, has no string kind, or does not match its "
+        "kind's schema; a tool.call without a readable call_id; a repeated session.bootstrap "
+        "with another sessionId."
+    ),
+    UNKNOWN_KIND: "The frame's kind is not a client kind (server kinds included).",
+    GENERATION_MISMATCH: (
+        "The frame did nothing: its socket is not the authoritative one, or its "
+        "connectionGeneration is not the fenced generation."
+    ),
+    ACK_AHEAD: "events.ack above the highest journaled seq; the floor is unchanged.",
+    FORBIDDEN: "exec.signal or exec.read_output on a connection without the shell:exec scope.",
+    UNKNOWN_CALL: (
+        "exec.signal or exec.read_output for a call_id without a spool directory: no command "
+        "was attempted under it, or its spool was pruned."
+    ),
+    NOT_RUNNING: (
+        "exec.signal for a command whose shell has exited, that ran under an earlier daemon "
+        "process, or that failed to start."
+    ),
+    INTERNAL: (
+        "The state database refused to record a call (nothing ran), its result (the message "
+        "says whether to retry with the same key), or an events.ack (send it again)."
+    ),
+}
+
+TOOL_ERROR_MEANINGS: dict[str, str] = {
+    INVALID_PARAMETERS: (
+        "The call does not match its tool's schema or names no tool; a directory, special "
+        "file or unresolvable path; a text that is not a unified diff of one file; a shell "
+        "cwd that is not a directory; a call_id already used for a command."
+    ),
+    FORBIDDEN: (
+        "The connection lacks the tool's scope, or the allowed_commands guard refused the "
+        "command line (the error then has command)."
+    ),
+    PATH_OUTSIDE_WORKSPACE: (
+        "The path, or the shell's cwd, resolves outside agent.cwd or outside the assertion's "
+        "allowed_paths."
+    ),
+    NOT_FOUND: (
+        "read_file: no such file, or a parent is not a directory; any tool: agent.cwd no "
+        "longer exists."
+    ),
+    BASE_SHA_MISMATCH: (
+        "base_sha is not the git blob sha of the file's current content (the error has "
+        "current_sha); nothing was written."
+    ),
+    PATCH_DOES_NOT_APPLY: "The diff does not fit the file (the error has hunk or reason); nothing was written.",
+    IDEMPOTENCY_KEY_REUSED: "The key was used before with other parameters or another tool; nothing ran.",
+    TOO_MANY_PROCESSES: (
+        "exec.max_processes commands are running or being spawned; nothing ran, and the key "
+        "is free again."
+    ),
+    INTERRUPTED: (
+        "A stop or a crash cut the call and the next start resolved it (never re-run); or a "
+        "command refused because the stop had begun (the key is free again)."
+    ),
+    INTERNAL: (
+        "The file system refused a read or a write, a command could not be started, a file "
+        "kept changing during read_file, or a bug (logged)."
+    ),
+}
+
+BOOTSTRAP_REJECTION_MEANINGS: dict[str, str] = {
+    BOOTSTRAP_MISMATCH: "The supervisor is bound, and this bootstrap's digest differs from the bound one.",
+    CWD_INVALID: (
+        "agent.cwd is not an existing directory inside paths.workspace_root, as text and "
+        "after symlinks are resolved."
+    ),
+    REPOSITORY_MISSING: "A repositories[].root is not an existing directory.",
+    PROFILE_NOT_ALLOWED: "agent.profile is not in bootstrap.profiles (an empty list allows any).",
+}
+
+# The HTTP answers that carry no `error` code, so that docs/codes.md lists every status a
+# peer can get: (status, what it means).
+HTTP_OTHER_ANSWERS: tuple[tuple[int, str], ...] = (
+    (101, "Switching Protocols on the control path: the upgrade passed the gate and was recorded."),
+    (200, 'The health path while serving ({"status":"ok",…}); the metrics path when enabled (Prometheus text).'),
+    (503, 'The health path while stopping ({"status":"draining",…}) or after a termination ({"status":"terminated",…}).'),
 )

@@ -1,7 +1,7 @@
-"""Frames of the control channel (PROTOCOL.md sections 6-8): one closed model per kind.
+"""Frames of the control channel (docs/protocol.md §6): one closed model per kind.
 
 Field names are the wire names, camelCase for the envelope and session frames and snake_case
-for tool and exec frames (section 6), used as is in code: no alias layer to keep in sync.
+for tool and exec frames (§6.1), used as is in code: no alias layer to keep in sync.
 
 Client frames are decoded by `decode_client_frame` in one pass over the raw text (pydantic's
 JSON parser validates while parsing, as fast as json.loads alone). The slow path, a second
@@ -75,7 +75,7 @@ SERVER_KINDS = frozenset(
 )
 
 # --- limits ---
-MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length (6.2)
+MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length (§6.3)
 # FrameError.kind / .reason are for logs: cap what the peer can put there.
 MAX_LOGGED_NAME_CHARS = 64
 MAX_REASON_CHARS = 200
@@ -216,11 +216,11 @@ class ExecOutputPageFrame(ServerFrameBase):
     body: ExecOutputPageBody
 
 
-# --- journaled events (sections 7 and 8) ---
+# --- journaled events (docs/protocol.md §6.6) ---
 
 
 class ExecContext(StrictModel):
-    """Captured when the process starts and kept with it (8)."""
+    """Captured when the process starts and kept with it (docs/protocol.md §6.6)."""
 
     session_id: Id
     generation: Generation
@@ -268,7 +268,7 @@ class StreamSummary(StrictModel):
 
 
 class ShellResult(StrictModel):
-    """`execute_shell_command` result (7.3); `exec.completed` adds `call_id`."""
+    """`execute_shell_command` result (docs/protocol.md §7.4.3); `exec.completed` adds `call_id`."""
 
     exit_code: int | None
     signal: str | None  # a name such as "SIGKILL"
@@ -280,7 +280,7 @@ class ShellResult(StrictModel):
 
 class ExecCompletedBody(ShellResult):
     call_id: CallId
-    interrupted: bool = False  # true when a crash cut the command (7.1)
+    interrupted: bool = False  # true when a crash cut the command (§10.2)
 
 
 class ExecCompletedEvent(ServerFrameBase):
@@ -290,7 +290,7 @@ class ExecCompletedEvent(ServerFrameBase):
 
 
 class PatchResult(StrictModel):
-    """`apply_file_patch` result (7.2)."""
+    """`apply_file_patch` result (docs/protocol.md §7.5)."""
 
     path: str
     old_sha: str
@@ -300,7 +300,7 @@ class PatchResult(StrictModel):
 
 
 class ReadFileResult(StrictModel):
-    """`read_file` result (7.2a)."""
+    """`read_file` result (docs/protocol.md §7.3)."""
 
     path: str
     sha: str

@@ -1,4 +1,4 @@
-"""Routing headers of the upgrade request (PROTOCOL.md section 2) and their parsing.
+"""Routing headers of the upgrade request (docs/protocol.md §2.1) and their parsing.
 
 The gate calls `parse_routing_headers` at step 2 with the header list h11 produced. It is
 pure and total: whatever the peer sent, the only exception it raises is

@@ -1,5 +1,5 @@
 """The template onboarding record: immutable provenance a service keeps for each E2B template
-it onboards (seed 002's record, with `supervisor` in place of its `agentCore`).
+it onboards (docs/operations.md, "Onboarding the template").
 
 The owning service persists it; there is deliberately no global template registry. Records are
 keyed by (owner.service, templateId): onboarding the same template again replaces the record.

@@ -1,4 +1,4 @@
-"""Tool calls (PROTOCOL.md section 7): one closed model per tool, chosen by `tool_name`.
+"""Tool calls (docs/protocol.md §7.1): one closed model per tool, chosen by `tool_name`.
 
 A `tool.call` frame's body is validated here, in a second stage after the envelope, because
 the answer depends on what could be read: without a readable `call_id` the peer gets an

@@ -1,6 +1,6 @@
 """Typed configuration: defaults < TOML file < environment < command-line overrides.
 
-Every default lives in the models below (OPERATIONS.md "Configuration file"). `load_config`
+Every default lives in the models below (README.md, "Configuration"). `load_config`
 merges the sources into one raw dict and validates it once, so every problem is reported
 together, each with its dotted key.
 """
@@ -187,7 +187,7 @@ class ExecConfig(_Section):
     output_buffer_bytes: PositiveInt = 65536
     spool_max_bytes: PositiveInt = 64 * 1024 * 1024
     # All spools together: past this, the oldest finished commands' spools are deleted
-    # (PROTOCOL 9: kept "until the session ends or a disk cap is reached").
+    # (docs/protocol.md §7.4.6; docs/deltas.md item 37).
     spool_total_max_bytes: PositiveInt = 1024 * 1024 * 1024
     base_env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_BASE_ENV))
 

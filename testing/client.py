@@ -30,8 +30,8 @@ CLOSE_TIMEOUT_S = 2.0
 RECEIVE_BUFFER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (replays, pages)
 FRAME_ERRORS = ("invalid_frame", "unknown_kind", "generation_mismatch")
-# Results that never held the idempotency key (7.1): after a tool.pending they are not the
-# one result the key's first execution will produce.
+# Results that never held the idempotency key (docs/protocol.md §8): after a tool.pending
+# they are not the one result the key's first execution will produce.
 NON_CLAIMING_CODES = frozenset({"too_many_processes", "idempotency_key_reused"})
 # How often call_and_wait sends a call again (same key) after the daemon said it could not
 # record its result yet (error frame `internal` for the call).
@@ -473,7 +473,7 @@ class ControlSession:
     ) -> JsonObject:
         """Call and wait for the outcome. When the daemon could not record the call or its
         result (a full disk, say) and the call has a key, send it again with the same key,
-        as PROTOCOL 7.1 says a control plane should: the call still runs at most once."""
+        as docs/protocol.md §8 says a control plane should: the call still runs at most once."""
         for attempt in range(RECORD_RETRIES + 1):
             sent = await self.call(
                 tool_name, parameters, idempotency_key=idempotency_key, call_id=call_id

@@ -1,9 +1,9 @@
 """How many inputs a fuzz test feeds its parser.
 
 The suite runs every fuzz test (marker `fuzz`) with the modest count written at the test, so
-the whole suite stays fast. The adversarial target (TARGETS.md: at least 10,000 inputs per
-network- or agent-facing parser, no crash, no hang) is met by the same tests with the count
-raised from the environment:
+the whole suite stays fast. The adversarial target (bench/README.md, "Targets": at least
+10,000 inputs per network- or agent-facing parser, no crash, no hang) is met by the same
+tests with the count raised from the environment:
 
     SUPERVISOR_FUZZ_EXAMPLES=10000 .venv/bin/python -m pytest -q -m fuzz
 

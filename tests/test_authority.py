@@ -1,4 +1,4 @@
-"""The control-authority assertion matrix and JWKS loading (PROTOCOL.md section 3).
+"""The control-authority assertion matrix and JWKS loading (docs/protocol.md §3).
 
 Tokens come from testing.authority, which signs with `cryptography` directly, so these tests
 do not share code with the verifier's JOSE library.

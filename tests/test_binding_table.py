@@ -1,4 +1,4 @@
-"""session.bootstrap's binding decision as a table, without a daemon (PROTOCOL 6.1).
+"""session.bootstrap's binding decision as a table, without a daemon (docs/protocol.md §5.2).
 
 `decide_binding` is handed its two filesystem probes; here they read a fake tree (a set of
 directories and a symlink map), so every rule, and the order of the rules, is one row. The

@@ -1,4 +1,4 @@
-"""session.bootstrap over real sockets (PROTOCOL 6.1), including the terminal rejection
+"""session.bootstrap over real sockets (docs/protocol.md §5), including the terminal rejection
 with a real daemon subprocess that exits 78."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The session.bootstrap body and its path rules (PROTOCOL.md 6.1)."""
+"""The session.bootstrap body and its path rules (docs/protocol.md §5.3, §6.3)."""
 
 from __future__ import annotations
 

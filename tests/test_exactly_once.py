@@ -1,4 +1,4 @@
-"""Exactly once under lost responses and kill -9 (PROTOCOL 7.1; seed 001's experiment).
+"""Exactly once under lost responses and kill -9 (docs/protocol.md §8, §10.2).
 
 These drive a real daemon subprocess, started as users start it, through the reference
 client; the daemon is killed with SIGKILL and restarted on the same state directory.
@@ -93,7 +93,7 @@ class Driver:
         raise AssertionError(f"no result for {key} after {RETRIES} retries")
 
 
-async def test_seed_001_experiment_with_kill_9_in_the_middle(tmp_path, authority):
+async def test_1000_calls_with_lost_responses_and_a_kill_9_in_the_middle(tmp_path, authority):
     """1,000 patch calls, 20 % of responses lost, up to three retries with the same key, and
     the daemon killed with SIGKILL once in the middle: every call executes exactly once."""
     rng = random.Random(1)

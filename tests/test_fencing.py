@@ -1,4 +1,4 @@
-"""One authoritative socket per session (PROTOCOL section 4), over real sockets."""
+"""One authoritative socket per session (docs/protocol.md §4), over real sockets."""
 
 from __future__ import annotations
 

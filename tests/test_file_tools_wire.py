@@ -1,5 +1,5 @@
 """apply_file_patch and read_file through a real daemon: results, errors and the jail as a
-control plane sees them (PROTOCOL 7.2, 7.2a)."""
+control plane sees them (docs/protocol.md §7.2, §7.3, §7.5)."""
 
 from __future__ import annotations
 

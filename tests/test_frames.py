@@ -1,4 +1,4 @@
-"""Frame models, decode and encode (PROTOCOL.md sections 6-8)."""
+"""Frame models, decode and encode (docs/protocol.md §6)."""
 
 from __future__ import annotations
 

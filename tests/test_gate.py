@@ -1,4 +1,4 @@
-"""The upgrade gate over real TCP and unix sockets (PROTOCOL sections 2, 3, 5)."""
+"""The upgrade gate over real TCP and unix sockets (docs/protocol.md §2, §3, §5.1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The upgrade gate's decision as a table, without sockets (PROTOCOL section 2 and 4).
+"""The upgrade gate's decision as a table, without sockets (docs/protocol.md §2.2, §4.1).
 
 `decide_upgrade` is pure apart from three callables it is handed; here they are fakes that
 record whether they were consulted. Each row of CHECKS breaks one check of an otherwise
@@ -207,7 +207,7 @@ def test_a_refusal_after_the_headers_parsed_names_them_for_the_log() -> None:
             assert decision.headers is not None and decision.headers.session_id == SESSION
 
 
-# --- the fence predicate (PROTOCOL section 4) ---------------------------------------------
+# --- the fence predicate (docs/protocol.md §4.1) -----------------------------------------
 
 FENCE_ROWS = [
     # generation, attempt, fence generation, fence attempt, admitted

@@ -1,4 +1,4 @@
-"""The allowed_commands guard (PROTOCOL.md 7.3): which programs a command line runs."""
+"""The allowed_commands guard (docs/protocol.md §7.4.2): which programs a command line runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Routing header parsing (PROTOCOL.md section 2, gate step 2)."""
+"""Routing header parsing (docs/protocol.md §2.1, gate step 2)."""
 
 from __future__ import annotations
 

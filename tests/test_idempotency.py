@@ -1,4 +1,4 @@
-"""Exactly-once tool calls over real sockets (PROTOCOL 7, 7.1)."""
+"""Exactly-once tool calls over real sockets (docs/protocol.md §7.1, §8)."""
 
 from __future__ import annotations
 

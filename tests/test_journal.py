@@ -1,4 +1,4 @@
-"""The event journal over real sockets: dense seqs, acks, pruning, replay (PROTOCOL 9)."""
+"""The event journal over real sockets: dense seqs, acks, pruning, replay (docs/protocol.md §9)."""
 
 from __future__ import annotations
 

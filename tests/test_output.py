@@ -1,4 +1,4 @@
-"""The live output view (PROTOCOL.md 8) and the head/tail summary (7.3), on a fake clock."""
+"""The live output view (docs/protocol.md §7.4.4) and the head/tail summary (§7.4.3), on a fake clock."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""apply_file_patch (PROTOCOL.md 7.2): strict unified-diff apply, base sha, atomic write, 7.1
+"""apply_file_patch (docs/protocol.md §7.5): strict unified-diff apply, base sha, atomic write, §10.2
 crash rule. Real files in tmp_path; the diff parser also under hypothesis."""
 
 from __future__ import annotations
@@ -569,7 +569,7 @@ def test_plan_writes_nothing(tmp_path):
     assert os.listdir(tmp_path) == ["f.txt"] and target.read_bytes() == b"a\n"
 
 
-# --- crash rule (7.1) -------------------------------------------------------------------------
+# --- crash rule (§10.2) -------------------------------------------------------------------------
 
 OLD, NEW, OTHER = "1" * 40, "2" * 40, "3" * 40
 
@@ -714,7 +714,7 @@ def test_arbitrary_diffs_apply_or_raise_a_typed_patch_error(diff: str, original:
         assert failure.code in {INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY}
         ToolError.model_validate(failure.to_error())
     else:
-        # Without hunks a diff may only create or delete an empty file (docs/protocol.md 7.2).
+        # Without hunks a diff may only create or delete an empty file (docs/protocol.md §7.5).
         assert outcome.hunks >= 1 or outcome.new == b"" or (outcome.new is None and not original)
         assert outcome.new is None or isinstance(outcome.new, bytes)
 

@@ -1,4 +1,4 @@
-"""The workspace jail (PROTOCOL.md 7.2): real paths inside agent.cwd and allowed_paths."""
+"""The workspace jail (docs/protocol.md §7.2): real paths inside agent.cwd and allowed_paths."""
 
 from __future__ import annotations
 

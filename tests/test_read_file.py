@@ -1,4 +1,4 @@
-"""read_file (PROTOCOL.md 7.2a): a byte range as UTF-8 text or base64, the whole file's sha."""
+"""read_file (docs/protocol.md §7.3): a byte range as UTF-8 text or base64, the whole file's sha."""
 
 from __future__ import annotations
 

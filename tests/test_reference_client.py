@@ -1,4 +1,4 @@
-"""The reference control-plane client (testing/client.py) answers calls the way PROTOCOL 7.1
+"""The reference control-plane client (testing/client.py) answers calls the way docs/protocol.md §8
 and 9 say a control plane must read the daemon: against a real daemon."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """execute_shell_command through a real daemon: real processes, pipes, signals, spool
-(PROTOCOL 7.3, 8, 10)."""
+(docs/protocol.md §7.4, §10.1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Shell commands across a daemon crash and under a client that stops reading, with the
-daemon as a real subprocess (PROTOCOL 7.1, 9, 10)."""
+daemon as a real subprocess (docs/protocol.md §9, §10.2)."""
 
 from __future__ import annotations
 

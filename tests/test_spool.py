@@ -1,4 +1,4 @@
-"""The output spool (PROTOCOL.md 7.3): every byte kept up to a cap, paged back exactly."""
+"""The output spool (docs/protocol.md §7.4.6): every byte kept up to a cap, paged back exactly."""
 
 from __future__ import annotations
 

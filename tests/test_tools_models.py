@@ -1,4 +1,4 @@
-"""Tool-call models and parse_tool_call (PROTOCOL.md section 7)."""
+"""Tool-call models and parse_tool_call (docs/protocol.md §7.1)."""
 
 from __future__ import annotations
 

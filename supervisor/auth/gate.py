@@ -1,4 +1,4 @@
-"""The upgrade gate: the ordered checks of PROTOCOL section 2 as one pure decision.
+"""The upgrade gate: the ordered checks of docs/protocol.md §2.2 as one pure decision.
 
 Input is the request's headers plus a snapshot of what the daemon knows; output is either an
 `Admit` (what to record before the 101) or a `Refuse` (the exact HTTP answer). The caller does

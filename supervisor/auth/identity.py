@@ -1,4 +1,4 @@
-"""The local sandbox id (PROTOCOL section 5): read lazily at the first upgrade, then cached."""
+"""The local sandbox id (docs/protocol.md §5.1): read lazily at the first upgrade, then cached."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
 log = structlog.get_logger("supervisor.server")
 
 RECEIVE_CHUNK_BYTES = 64 * 1024
-# trio-websocket's default 4 KiB receive buffer makes large messages ~3x slower (STACK.md).
+# trio-websocket's default 4 KiB receive buffer makes large messages ~3x slower.
 WEBSOCKET_RECEIVE_BUFFER_BYTES = 64 * 1024
 # Our reader task always waits in get_message, so a small queue keeps pings answered while
 # bounding what an unread peer can make us hold.

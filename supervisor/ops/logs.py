@@ -66,7 +66,7 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
 
 
 def safe_log(logger: FilteringBoundLogger, event: str, **fields: object) -> None:
-    """Emit a log fact whose failure must not matter (startup-stage facts, PROTOCOL 6.1)."""
+    """Emit a log fact whose failure must not matter (startup-stage facts, docs/protocol.md §5.2)."""
     try:
         logger.info(event, **fields)
     except Exception:  # noqa: BLE001

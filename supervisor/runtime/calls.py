@@ -78,7 +78,7 @@ class Outcome(enum.Enum):
 
 
 def idempotency_outcome(existing: CallRecord | None, digest: str, *, kept: bool = False) -> Outcome:
-    """docs/protocol.md §7.1 as a pure decision over the record `begin_call` found (None: it
+    """docs/protocol.md §8 as a pure decision over the record `begin_call` found (None: it
     wrote a new pending record) and whether this daemon keeps an unjournaled result for the
     key (a pending record whose execution has in fact finished)."""
     if existing is None:
@@ -339,7 +339,7 @@ class CallRunner:
         self.unjournaled[key] = kept
         self._unjournaled_chars += kept.chars
         # Past the bounds the oldest are dropped: their records stay pending, and the next
-        # start resolves them (§7.1), as it would have without this memory.
+        # start resolves them (§10.2), as it would have without this memory.
         while self.unjournaled and (
             len(self.unjournaled) > MAX_UNJOURNALED or self._unjournaled_chars > MAX_UNJOURNALED_CHARS
         ):
@@ -365,7 +365,7 @@ class CallRunner:
         except StoreError:
             # One call's failure to journal must not take the session's other calls down.
             # With a key the record stays pending: the result is kept here and journaled
-            # when the key comes back (or the next start resolves the record, §7.1).
+            # when the key comes back (or the next start resolves the record, §10.2).
             log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
             if key is not None:
                 self._keep_unjournaled(key, _Unjournaled(running, body, started))

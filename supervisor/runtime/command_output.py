@@ -1,4 +1,4 @@
-"""A command's output, from its pipes to the spool, the live events and the result (PROTOCOL 7.4, 8).
+"""A command's output, from its pipes to the spool, the live events and the result (docs/protocol.md §7.4).
 
 Each of stdout and stderr is read by one task that writes every byte to the stream's spool
 (lossless, on disk, capped), its live view (bounded, lossy) and its head/tail summary; a

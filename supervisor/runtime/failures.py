@@ -1,4 +1,4 @@
-"""The one typed error the file tools raise (PROTOCOL.md 7: `tool.result` ok:false).
+"""The one typed error the file tools raise (docs/protocol.md §7.6: `tool.result` ok:false).
 
 The dispatcher catches `ToolFailure` alone and journals `to_error()`; anything else that escapes
 a tool is a bug and becomes `internal`. Subclasses (`PatchError`, `PathOutsideWorkspace`) only

@@ -1,12 +1,13 @@
-"""read_file (PROTOCOL.md 7.2a): a byte range of a jailed file, with the whole file's sha.
+"""read_file (docs/protocol.md §7.3): a byte range of a jailed file, with the whole file's sha.
 
 Decisions:
 - `content` is text when the returned bytes are valid UTF-8, else base64. The decision is
   about the range alone, so a range that cuts a multi-byte character is base64 even in a
   text file; a client that pages text should decode the concatenated bytes, not each page.
 - An `offset` at or past the end returns length 0 and `eof: true` (`offset` is echoed as
-  sent). PROTOCOL's `eof` is `offset + length == size`; past the end that sum is larger than
-  `size`, and `eof` is read as `offset + length >= size`, so a pager always stops.
+  sent). The original specification's `eof` was `offset + length == size` (docs/deltas.md
+  item 19); past the end that sum is larger than `size`, and `eof` is read as
+  `offset + length >= size`, so a pager always stops.
 - The file is streamed once: the sha needs every byte, the content only the range, and a
   large file must not be held in memory. If the file's size or mtime changes while it is
   read, the read starts over (a few times), so `sha`, `size` and `content` describe one

@@ -1,4 +1,4 @@
-"""The `allowed_commands` guard of execute_shell_command (PROTOCOL.md 7.3).
+"""The `allowed_commands` guard of execute_shell_command (docs/protocol.md §7.4.2).
 
 Before a command line is spawned, every simple command in it must name a program whose
 basename is in `allowed_commands`. This is a guard against mistakes (an agent reaching for `rm`

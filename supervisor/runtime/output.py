@@ -1,4 +1,4 @@
-"""What a client sees of a command's output while it runs (PROTOCOL.md 8) and in its result (7.3).
+"""What a client sees of a command's output: live (docs/protocol.md §7.4.4) and in its result (§7.4.3).
 
 `LiveOutput` is the live view of one stream of one process: bytes are fed as they arrive, and
 the shell task asks when the next `exec.output` event is due and takes its chunks. It is lossy
@@ -49,7 +49,7 @@ __all__ = [
 
 # The longest UTF-8 character: a chunk must be able to hold one whole.
 MAX_CHARACTER_BYTES = 4
-# Head and tail of a stream in the result (PROTOCOL.md 7.3).
+# Head and tail of a stream in the result (docs/protocol.md §7.4.3).
 HEAD_TAIL_BYTES = 8 * 1024
 _REPLACE = "replace"
 _NEVER = -math.inf
@@ -215,7 +215,7 @@ class LiveOutput:
 
 
 class StreamHeadTail:
-    """The `{"bytes","head","tail","truncated"}` summary of a stream in the result (7.3).
+    """The `{"bytes","head","tail","truncated"}` summary of a stream in the result (§7.4.3).
 
     head: the first 8 KiB; tail: the last 8 KiB that are not already in the head, so the two
     never overlap: for output up to 8 KiB the tail is "", up to 16 KiB head + tail is all of it,

@@ -1,8 +1,8 @@
-"""apply_file_patch (PROTOCOL.md 7.2): git blob sha, strict unified-diff apply, atomic write.
+"""apply_file_patch (docs/protocol.md §7.5): git blob sha, strict unified-diff apply, atomic write.
 
 Three layers, so the rules are testable without files: `apply_unified_diff` is pure (bytes in,
 bytes out); `plan_patch` reads the file and decides, writing nothing; `commit_patch` writes the
-plan atomically. `recover_patch` is the crash rule of 7.1 as a function of three shas.
+plan atomically. `recover_patch` is the crash rule of §10.2 as a function of three shas.
 
 The parser is our own, not the `unidiff` library (python-unidiff 1.0.1 was evaluated). It keeps
 `\\r` (it splits on "\\n" only) and reports "\\ No newline at end of file" in order, but it does
@@ -17,7 +17,7 @@ not fit the contract, because:
 It parses text, which is not the obstacle: the diff arrives as a JSON string anyway and is
 encoded to UTF-8 here; file content outside the hunks never passes through a decoder.
 
-The contract, beyond PROTOCOL 7.2:
+The contract, in more detail than docs/protocol.md §7.5:
 - Everything is bytes. The file and the diff are split on b"\\n" only; a line's "\\r" is part
   of its content, so CRLF files keep their endings and bytes that are not UTF-8 outside the
   hunks are kept byte for byte.
@@ -83,7 +83,7 @@ __all__ = [
     "recover_patch",
 ]
 
-# The sha of "no file" (PROTOCOL 7.2): base_sha of a file to create, new_sha of a deleted one.
+# The sha of "no file" (§7.5): base_sha of a file to create, new_sha of a deleted one.
 ZERO_SHA = "0" * 40
 # Mode of a created file before the umask, as an editor would create it. A replaced file keeps
 # its own mode exactly (set with fchmod, so the umask cannot strip bits from it).
@@ -132,7 +132,7 @@ class PatchPlan:
     mode: int | None  # permission bits of the existing file; None when it is created
 
     def result(self) -> dict[str, Any]:
-        """The `apply_file_patch` result (PROTOCOL 7.2)."""
+        """The `apply_file_patch` result (docs/protocol.md §7.5)."""
         return PatchResult(
             path=self.display_path,
             old_sha=self.old_sha,
@@ -538,7 +538,7 @@ RecoveryOutcome = Literal["applied", "apply_now", "interrupted"]
 
 
 def recover_patch(current: str, old_sha: str, new_sha: str) -> RecoveryOutcome:
-    """PROTOCOL 7.1 for a patch left pending by a crash, from the file's sha now.
+    """docs/protocol.md §10.2 for a patch left pending by a crash, from the file's sha now.
 
     New content first: a patch that changes nothing (old == new) counts as applied. For
     "apply_now", re-running plan_patch with the recorded parameters gives the same plan (the

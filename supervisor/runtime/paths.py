@@ -1,4 +1,4 @@
-"""The workspace jail (PROTOCOL.md 7.2, 7.2a; also the `cwd` of execute_shell_command).
+"""The workspace jail (docs/protocol.md §7.2; also the `cwd` of execute_shell_command).
 
 A path from the control plane is joined to `agent.cwd` and resolved the way the kernel will
 resolve it when the tool opens it: every symlink of the existing part is followed. For a path
@@ -9,7 +9,7 @@ file system disagree). The resolved path must lie inside realpath(agent.cwd) and
 `allowed_paths`, by whole components.
 
 Decisions:
-- An absolute `relative` is accepted when it resolves inside agent.cwd: PROTOCOL says the path
+- An absolute `relative` is accepted when it resolves inside agent.cwd: the protocol says the path
   is resolved against agent.cwd, and joining an absolute path to a directory yields the
   absolute path, which the containment check then judges like any other.
 - A path that resolves to agent.cwd itself is inside the jail and is returned: the shell tool
@@ -23,7 +23,7 @@ Decisions:
 
 Callers do their I/O on the returned real path, never on the joined text. A race in which the
 agent swaps a checked directory for a symlink between this check and the write is out of
-scope: the sandbox, not this jail, is the security boundary (PROTOCOL 7.3 says the same of
+scope: the sandbox, not this jail, is the security boundary (docs/protocol.md §7.4.2 says the same of
 allowed_commands); the jail stops mistakes and confused paths.
 """
 

@@ -1,4 +1,4 @@
-"""A command's process group, from spawn to the moment the daemon may forget it (PROTOCOL 7.4, 10).
+"""A command's process group, from spawn to the moment the daemon may forget it (docs/protocol.md §7.4.1, §10).
 
 Each command runs in a new session and process group, so a signal, a timeout or a stop
 reaches every descendant, background jobs included. `ProcessGroup` is that group's lifecycle:

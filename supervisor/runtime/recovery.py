@@ -1,4 +1,4 @@
-"""Start-up recovery (docs/protocol.md §7.1, §10): before the daemon listens, every call a
+"""Start-up recovery (docs/protocol.md §10.2): before the daemon listens, every call a
 previous instance left pending gets its one result, and the process groups it left are killed.
 
 Nothing runs twice: each tool's own `recover` completes its calls (a patch is finished or

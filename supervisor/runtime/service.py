@@ -36,7 +36,7 @@ class Runtime:
 
     def exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> ErrorFrame | ExecOutputPageFrame | None:
         """exec.signal (an error, or nothing once sent) and exec.read_output (a page, or an
-        error) — docs/protocol.md §6.2."""
+        error) — docs/protocol.md §7.4.6, §7.4.7."""
         body = frame.body
         if isinstance(frame, ExecSignalFrame):
             code = self.shell.signal_command(frame.body.call_id, frame.body.signal)

@@ -1,4 +1,4 @@
-"""execute_shell_command: check, spawn, wait, complete (PROTOCOL 7.4, 8, 10).
+"""execute_shell_command: check, spawn, wait, complete (docs/protocol.md §7.4, §10).
 
 This module is the tool. It checks a call, then sequences the two parts of a command:
 - `process_group`: the command's own session and process group — spawn, wait, timeout
@@ -49,7 +49,7 @@ from sandbox_supervisor.daemon.runtime.spool import SpoolNotFound, read_range, s
 log = structlog.get_logger("supervisor.shell")
 
 # After the shell exits, descendants it put in the background may still hold the pipes;
-# completion waits this long for them to close before it is reported (7.3).
+# completion waits this long for them to close before it is reported (§7.4.3).
 COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
 # exec.signal's names (protocol.frames.Signal) to their numbers.
@@ -413,7 +413,7 @@ class ShellRuntime:
             await pending.completed.wait()
 
     async def stop_all(self) -> None:
-        """SIGTERM every running group, SIGKILL after the grace (PROTOCOL 10); the calls'
+        """SIGTERM every running group, SIGKILL after the grace (docs/protocol.md §10.1); the calls'
         own tasks then journal their completions. No command starts after this."""
         self.stopping = True
         running = [c for c in self.commands.values() if not c.shell_exited or c.group.alive()]

@@ -1,4 +1,4 @@
-"""The lossless record of a command's output (PROTOCOL.md 7.3): every byte, up to a cap.
+"""The lossless record of a command's output (docs/protocol.md §7.4.6): every byte, up to a cap.
 
 Layout, one directory per call under the state directory:
 
@@ -253,7 +253,7 @@ class SpoolWriter:
 
 
 def seal_stream(path: str | os.PathLike[str]) -> StreamState:
-    """Mark a stream ended whose writer is gone (recovery after a crash, PROTOCOL 7.1).
+    """Mark a stream ended whose writer is gone (recovery after a crash, docs/protocol.md §10.2).
 
     What the file holds is all there will be. `total` is unknown past what was kept, so it is
     the kept size, unless the cap had been hit (the state then already says more). A stream

@@ -144,5 +144,5 @@ def result_body(
 
 
 def interrupted(message: str, **details: Any) -> dict[str, Any]:
-    """The error of a call a crash cut short (docs/protocol.md §7.1)."""
+    """The error of a call a crash cut short (docs/protocol.md §10.2)."""
     return {"code": errors.INTERRUPTED, "message": message, **details}

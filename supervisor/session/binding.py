@@ -1,4 +1,4 @@
-"""session.bootstrap: whether a bootstrap binds, re-attaches, or is rejected (PROTOCOL 6.1).
+"""session.bootstrap: whether a bootstrap binds, re-attaches, or is rejected (docs/protocol.md §5.2).
 
 `decide_binding` is pure apart from the two filesystem probes it is handed, so every rule is
 testable without a daemon; the daemon supplies `os.path` functions.

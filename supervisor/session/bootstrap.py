@@ -1,5 +1,5 @@
 """session.bootstrap's I/O, next to its decision (`binding.decide_binding`): persist a new
-binding, build the readiness frame, and make a rejection terminal (docs/protocol.md §6.1).
+binding, build the readiness frame, and make a rejection terminal (docs/protocol.md §5.2, §5.4).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class BindingRules:
 
 
 def log_stage(stage: str, outcome: str, started: float, session_id: str) -> None:
-    """The startup-stage facts a platform's boot timeline reads (docs/protocol.md §6.1)."""
+    """The startup-stage facts a platform's boot timeline reads (docs/protocol.md §5.2)."""
     safe_log(
         log,
         "sandbox.startup-stage",

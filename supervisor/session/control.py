@@ -249,7 +249,7 @@ class ControlChannel:
             if frame.body.sessionId != self.session_id:
                 return [error_reply(errors.INVALID_FRAME, SESSION_MISMATCH_MESSAGE)]
             # Re-checked against the binding: the same body answers runtime.state again, any
-            # other body is a conflicting claim and is rejected (docs/protocol.md §6.1).
+            # other body is a conflicting claim and is rejected (docs/protocol.md §5.5).
             self.state = ChannelState.BINDING
             return [Bind(frame.body)]
         if isinstance(frame, (ExecSignalFrame, ExecReadOutputFrame)):

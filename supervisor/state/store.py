@@ -3,7 +3,7 @@
 The API is synchronous on purpose: each method is one short transaction, so the daemon can
 decide from a `snapshot()` and record the outcome without an `await` in between (the gate's
 decide-and-record stays atomic without locks). WAL with synchronous=NORMAL makes every
-committed transaction survive a `kill -9` of the process (PROTOCOL.md section 9).
+committed transaction survive a `kill -9` of the process (docs/protocol.md §9).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ META_ACK_FLOOR = "ack_floor"
 META_LAST_SEQ = "last_seq"
 
 # Process groups started for shell commands, kept until the group is gone, so that a
-# restarted daemon can kill what a crashed one left behind (PROTOCOL 10).
+# restarted daemon can kill what a crashed one left behind (docs/protocol.md §10.2).
 _PROCESSES_TABLE = """CREATE TABLE IF NOT EXISTS processes (
             call_id TEXT PRIMARY KEY,
             pid INTEGER NOT NULL,
@@ -156,7 +156,7 @@ class StateSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class CallRecord:
-    """One idempotency record (PROTOCOL 7.1)."""
+    """One idempotency record (docs/protocol.md §8)."""
 
     key: str
     tool_name: str
@@ -233,7 +233,7 @@ class StateStore:
             if mode.lower() != "wal":
                 raise StoreError(f"sqlite refused WAL mode (got {mode!r})")
             # NORMAL in WAL mode: a commit survives a process kill (not a power loss), which
-            # is the guarantee PROTOCOL.md section 9 asks for, at a fraction of FULL's cost.
+            # is the guarantee docs/protocol.md §9 gives, at a fraction of FULL's cost.
             self._conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.Error as exc:
             raise StoreError(f"cannot configure state database: {exc}") from exc
@@ -339,7 +339,7 @@ class StateStore:
     def record_upgrade(
         self, *, generation: int, attempt_id: str, jti: str, jti_expires_at: float, now: float
     ) -> None:
-        """Persist an accepted upgrade: the fence and the jti, in one transaction (section 2).
+        """Persist an accepted upgrade: the fence and the jti, in one transaction (docs/protocol.md §2.3).
 
         Raises JtiReplayed for a cached jti and FenceRegressed for a fence the gate should have
         refused; in both cases nothing changes.

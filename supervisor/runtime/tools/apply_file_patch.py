@@ -1,4 +1,4 @@
-"""apply_file_patch (docs/protocol.md §7.2), and its crash recovery (§7.1).
+"""apply_file_patch (docs/protocol.md §7.5), and its crash recovery (§10.2).
 
 The decisions live in `paths` and `patch`; this module sequences them with the idempotency
 record: the planned result is recorded *before* the write, so after a crash the daemon can

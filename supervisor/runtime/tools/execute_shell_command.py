@@ -1,4 +1,4 @@
-"""execute_shell_command (docs/protocol.md §7.3, §8), and its crash recovery (§7.1).
+"""execute_shell_command (docs/protocol.md §7.4), and its crash recovery (§10.2).
 
 The command itself is the shell runtime's (`runtime.shell`): spawn, stream, spool, signal,
 time out. A command is never re-run after a crash: it is reported interrupted, with the

@@ -1,4 +1,4 @@
-"""read_file (docs/protocol.md §7.2a): a byte range of a jailed file, with the file's sha.
+"""read_file (docs/protocol.md §7.3): a byte range of a jailed file, with the file's sha.
 
 Small files are read at once in the socket's own task (no worker-thread hop, no task to
 spawn); larger ones in a worker thread. A pending read_file is never re-run after a crash: it
