@@ -1,4 +1,4 @@
-"""Command line: serve, check-config, keys, onboard-template (docs/operations.md).
+"""Command line: serve, check-config, keys, onboard-template, --version (docs/operations.md).
 
 The daemon (`app`) is imported inside its handler, so the light commands (check-config, keys)
 start fast and work without the daemon's dependencies loaded. The demo is the kit's
@@ -11,12 +11,16 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from sandbox_supervisor.daemon.config import ConfigError, SupervisorConfig, load_config, masked_dict
 
 PROG = "sandbox-supervisor"
+DISTRIBUTION = "sandbox-supervisor"
+# What --version says when the code runs without installed metadata (the same as /healthz).
+UNKNOWN_VERSION = "0+unknown"
 EXIT_OK = 0
 EXIT_BAD_CONFIG = 2  # bad configuration or arguments (argparse uses 2 as well)
 EXIT_TERMINATED = 78  # terminated after a bootstrap rejection; systemd does not restart it
@@ -46,8 +50,17 @@ def build_serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def installed_version() -> str:
+    """The installed distribution's version, from its metadata (never a second copy in code)."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return UNKNOWN_VERSION
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="In-sandbox supervisor daemon.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the daemon")
