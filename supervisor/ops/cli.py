@@ -1,4 +1,5 @@
-"""Command line: serve, check-config, keys, onboard-template, --version (docs/operations.md).
+"""Command line: serve, check-config, keys, onboard-template, install-units, --version
+(docs/operations.md).
 
 The daemon (`app`) is imported inside its handler, so the light commands (check-config, keys)
 start fast and work without the daemon's dependencies loaded. The demo is the kit's
@@ -108,6 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_onboarding_arguments(onboard)
     onboard.set_defaults(handler=_cmd_onboard_template)
+
+    units = commands.add_parser(
+        "install-units",
+        help="write the systemd units and the example configuration",
+        description="Write the units shipped in the package into ROOT/etc/systemd/system/ "
+        "(replacing them) and the example configuration to "
+        "ROOT/etc/sandbox-supervisor/supervisor.toml (kept when it exists, unless --force).",
+    )
+    units.add_argument("--root", type=Path, default=Path("/"), metavar="DIR",
+                       help="install under this directory, e.g. an image's root (default: /)")
+    units.add_argument("--force", action="store_true", help="replace an existing configuration")
+    units.set_defaults(handler=_cmd_install_units)
     return parser
 
 
@@ -230,3 +243,16 @@ def _cmd_onboard_template(args: argparse.Namespace) -> int:
     from sandbox_supervisor.daemon.ops.onboarding import run
 
     return run(args)
+
+
+def _cmd_install_units(args: argparse.Namespace) -> int:
+    from sandbox_supervisor.daemon.ops.units import InstallUnitsError, install_units
+
+    try:
+        installed = install_units(args.root, force=args.force)
+    except InstallUnitsError as exc:
+        _error(str(exc))
+        return EXIT_BAD_CONFIG
+    for item in installed:
+        print(item.describe())
+    return EXIT_OK

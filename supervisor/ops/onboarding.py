@@ -58,8 +58,13 @@ from sandbox_supervisor.daemon.ops.onboarding_store import (  # noqa: F401 - re-
 
 DISTRIBUTION = "sandbox-supervisor"
 CONSOLE_SCRIPT = "sandbox-supervisor"
-# The import packages of the distribution (pyproject: tool.setuptools.packages.find.include).
-RUNTIME_PACKAGES = ("sandbox_supervisor.protocol", "sandbox_supervisor.daemon", "sandbox_supervisor.testing")
+# The import packages of the distribution (pyproject: tool.setuptools.package-dir).
+RUNTIME_PACKAGES = (
+    "sandbox_supervisor.protocol",
+    "sandbox_supervisor.daemon",
+    "sandbox_supervisor.testing",
+    "sandbox_supervisor.units",
+)
 # Not SANDBOX_SUPERVISOR_…: every variable of that prefix is a config override, and an
 # unknown one is an error (check-config and serve in the image would refuse to start).
 BUILD_SHA_ENV = "SUPERVISOR_BUILD_SHA"
