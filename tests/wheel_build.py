@@ -16,6 +16,7 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,10 +30,10 @@ BUILD_TIMEOUT_S = 300
 INSTALL_TIMEOUT_S = 300
 COPY_IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
 
-_cache: dict[str, object] = {}
+_cache: dict[str, object] = {}  # what one session computed once: "index", "wheel"
 
 
-def pyproject() -> dict:
+def pyproject() -> dict[str, Any]:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
@@ -91,6 +92,7 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         stdin=subprocess.DEVNULL,
     )
     assert built.returncode == 0, built.stdout + built.stderr
+    wheel: Path
     (wheel,) = (work / "dist").glob("sandbox_supervisor-*.whl")
     _cache["wheel"] = wheel
     return wheel
