@@ -25,6 +25,7 @@ for every runtime package: an egg-info directory left in a checkout by a build (
 
 from __future__ import annotations
 
+import csv
 import glob
 import importlib.util
 import json
@@ -91,10 +92,9 @@ def installed_files(
 def shipped_files(dist: metadata.Distribution) -> dict[str, Path]:
     """name -> file for one installed distribution (module docstring: the rule)."""
     recorded: dict[str, Path] = {}
-    for entry in dist.files or ():
-        name = PurePosixPath(entry.as_posix())
+    for name in recorded_names(dist):
         if name.parts[:1] == (IMPORT_NAMESPACE,) and not is_cache(name):
-            recorded[str(name)] = Path(str(dist.locate_file(entry)))
+            recorded[str(name)] = Path(str(dist.locate_file(str(name))))
     if recorded:
         return recorded
     project = editable_project(dist)
@@ -103,6 +103,16 @@ def shipped_files(dist: metadata.Distribution) -> dict[str, Path]:
             f"{describe(dist)} lists no file under {IMPORT_NAMESPACE}/ and is not an editable install"
         )
     return wheel_files(project)
+
+
+def recorded_names(dist: metadata.Distribution) -> list[PurePosixPath]:
+    """Every path RECORD lists (its first CSV column). Read here rather than through
+    Distribution.files, which from Python 3.12 on drops files that no longer exist: a shipped
+    file that went missing must be noticed, not silently left out."""
+    text = dist.read_text("RECORD")
+    if text is None:
+        return []
+    return [PurePosixPath(row[0]) for row in csv.reader(text.splitlines()) if row and row[0]]
 
 
 def describe(dist: metadata.Distribution) -> str:
