@@ -1,4 +1,4 @@
-"""keys generate / keys mint, and the CLI's dispatch of serve and onboard-template."""
+"""keys generate / keys mint, the CLI's dispatch of serve and onboard-template, and --version."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import types
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,17 @@ def test_onboard_template_without_its_flags_exits_2_and_stores_nothing(
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
     assert "check-config" in capsys.readouterr().out
+
+
+def test_version_prints_the_installed_distributions_version(capsys: pytest.CaptureFixture[str]) -> None:
+    installed = metadata.version("sandbox-supervisor")  # the metadata, not a copy in code
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"sandbox-supervisor {installed}\n"
+    # The console script a platform engineer types, in its own process.
+    completed = subprocess.run(
+        [str(Path(sys.executable).parent / "sandbox-supervisor"), "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (completed.returncode, completed.stdout, completed.stderr) == (0, f"sandbox-supervisor {installed}\n", "")

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,11 +15,13 @@ import sysconfig
 import time
 import tomllib
 from datetime import datetime, timedelta, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from wheel_build import built_wheel, install_to_target
 
 from sandbox_supervisor.protocol.onboarding import MAX_COMPONENTS, TemplateOnboarding, format_utc
 from sandbox_supervisor.protocol.schema_export import DEFAULT_OUT_DIR, EXPORTED
@@ -26,12 +29,20 @@ from sandbox_supervisor.daemon.ops import onboarding
 from sandbox_supervisor.daemon.ops.onboarding import (
     BUILD_SHA_ENV,
     RUNTIME_PACKAGES,
+    OnboardingInputError,
     build_sha,
     dependency_versions,
     package_directories,
+    python_version,
     runtime_hash,
     sha256_file,
-    tree_files,
+)
+from sandbox_supervisor.daemon.ops.shipped import (
+    ShippedFilesError,
+    installed_files,
+    shipped_files,
+    source_directory,
+    wheel_files,
 )
 from sandbox_supervisor.daemon.ops.onboarding_store import (
     STORE_FORMAT,
@@ -143,7 +154,8 @@ DEPS = {"trio": "0.35.0", "pydantic": "2.14.4"}
 
 
 def tree_hash(root: Path, *, python: str = "CPython 3.11.7", deps: dict | None = None) -> str:
-    return runtime_hash({"pkg": root}, python_version=python, dependencies=DEPS if deps is None else deps)
+    files = {f"pkg/{p.relative_to(root).as_posix()}": p for p in root.rglob("*") if p.is_file()}
+    return runtime_hash(files, python_version=python, dependencies=DEPS if deps is None else deps)
 
 
 def test_runtime_hash_is_stable_and_independent_of_creation_order(tmp_path: Path) -> None:
@@ -178,12 +190,205 @@ def test_runtime_hash_changes_with_code_python_or_dependencies(tmp_path: Path, c
     assert tree_hash(root, python=python, deps=deps) != before
 
 
-def test_runtime_hash_ignores_bytecode_caches(tmp_path: Path) -> None:
-    root = make_tree(tmp_path / "pkg", TREE)
-    before = tree_hash(root)
-    make_tree(root, {"__pycache__/app.cpython-311.pyc": b"\x00compiled", "stray.pyc": b"x"})
-    assert tree_hash(root) == before
-    assert [name for name, _ in tree_files(root)] == ["__init__.py", "app.py", "sub/data.json"]
+
+
+# --- which files are hashed: the distribution's own -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pristine_install(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return install_to_target(built_wheel(tmp_path_factory), tmp_path_factory.mktemp("wheel") / "site")
+
+
+@pytest.fixture
+def wheel_install(pristine_install: Path, tmp_path: Path) -> Path:
+    """A wheel install of the checkout (pip --target, with RECORD) this test may change."""
+    return Path(shutil.copytree(pristine_install, tmp_path / "site", symlinks=True))
+
+
+def install_dist(site: Path) -> metadata.Distribution:
+    (dist,) = metadata.distributions(name="sandbox-supervisor", path=[str(site)])
+    return dist
+
+
+def install_hash(site: Path) -> str:
+    return runtime_hash(shipped_files(install_dist(site)), python_version=python_version(), dependencies=DEPS)
+
+
+def test_a_stray_file_in_a_wheel_install_does_not_change_the_runtime_hash(wheel_install: Path) -> None:
+    before = install_hash(wheel_install)
+    package = wheel_install / "sandbox_supervisor"
+    assert (package / "daemon" / "app.py").is_file()  # the installed code is there
+    (package / "daemon" / "stray.py").write_text("raise SystemExit('not ours')\n")
+    (package / "units" / "override.service").write_text("[Service]\n")
+    (package / "protocol" / "schemas" / "Extra.json").write_text("{}\n")
+    (package / "notes.txt").write_text("left by someone\n")
+    assert install_hash(wheel_install) == before
+
+
+@pytest.mark.parametrize(
+    "shipped", ["daemon/app.py", "daemon/ops/cli.py", "units/supervisor.toml", "protocol/schemas/ServerFrame.json", "testing/py.typed"]
+)
+def test_a_changed_shipped_file_changes_the_runtime_hash(wheel_install: Path, shipped: str) -> None:
+    before = install_hash(wheel_install)
+    path = wheel_install / "sandbox_supervisor" / shipped
+    path.write_bytes(path.read_bytes() + b"\n")
+    assert install_hash(wheel_install) != before
+
+
+def test_bytecode_the_installer_recorded_is_not_hashed(wheel_install: Path) -> None:
+    recorded = [str(entry) for entry in install_dist(wheel_install).files or ()]
+    assert any("__pycache__" in name and name.endswith(".pyc") for name in recorded)  # pip compiled them
+    names = shipped_files(install_dist(wheel_install))
+    assert names and not any("__pycache__" in name or name.endswith(".pyc") for name in names)
+    assert all(name.startswith("sandbox_supervisor/") for name in names)  # no dist-info, no scripts
+    before = install_hash(wheel_install)
+    for compiled in (wheel_install / "sandbox_supervisor").rglob("*.pyc"):
+        compiled.write_bytes(b"recompiled at another time")
+    assert install_hash(wheel_install) == before
+
+
+def test_a_missing_shipped_file_is_a_problem_not_a_crash(wheel_install: Path) -> None:
+    missing = wheel_install / "sandbox_supervisor" / "daemon" / "app.py"
+    missing.unlink()
+    with pytest.raises(OnboardingInputError) as excinfo:
+        install_hash(wheel_install)
+    assert excinfo.value.problems == [
+        ("(runtime hash)", f"cannot read {missing}, a file of the installed distribution: No such file or directory")
+    ]
+
+
+def test_an_editable_install_hashes_what_a_wheel_of_the_checkout_holds(pristine_install: Path) -> None:
+    from_wheel = shipped_files(install_dist(pristine_install))
+    from_checkout = wheel_files(REPO)
+    assert sorted(from_checkout) == sorted(from_wheel)
+    assert {n: sha256_file(p) for n, p in from_checkout.items()} == {n: sha256_file(p) for n, p in from_wheel.items()}
+    assert any(name.endswith("/py.typed") for name in from_checkout)
+    assert "sandbox_supervisor/units/sandbox-supervisor.service" in from_checkout
+
+
+PROJECT = """
+[tool.setuptools]
+packages = ["ns.pkg", "ns.pkg.sub", "ns.data"]
+[tool.setuptools.package-dir]
+"ns.pkg" = "src"
+"ns.data" = "units"
+[tool.setuptools.package-data]
+"*" = ["py.typed"]
+"ns.pkg" = ["schemas/*.json"]
+"ns.data" = ["*.service"]
+"""
+PROJECT_FILES = {
+    "pyproject.toml": PROJECT.encode(),
+    "src/__init__.py": b"",
+    "src/mod.py": b"x = 1\n",
+    "src/py.typed": b"",
+    "src/schemas/a.json": b"{}",
+    "src/sub/__init__.py": b"",
+    "src/sub/x.py": b"",
+    "units/__init__.py": b"",
+    "units/a.service": b"[Unit]\n",
+}
+SHIPPED_NAMES = [
+    "ns/data/__init__.py",
+    "ns/data/a.service",
+    "ns/pkg/__init__.py",
+    "ns/pkg/mod.py",
+    "ns/pkg/py.typed",
+    "ns/pkg/schemas/a.json",
+    "ns/pkg/sub/__init__.py",
+    "ns/pkg/sub/x.py",
+]
+
+
+def test_the_editable_rule_takes_modules_and_declared_data_only(tmp_path: Path) -> None:
+    project = make_tree(tmp_path / "checkout", PROJECT_FILES)
+    assert sorted(wheel_files(project)) == SHIPPED_NAMES
+    assert wheel_files(project)["ns/pkg/mod.py"] == project / "src" / "mod.py"
+    before = runtime_hash(wheel_files(project), python_version="CPython 3.11.7", dependencies=DEPS)
+    make_tree(
+        project,
+        {
+            "src/notes.txt": b"scratch",
+            "src/.hidden.py": b"",  # setuptools' glob skips hidden files
+            "src/__pycache__/mod.cpython-311.pyc": b"\x00",
+            "src/schemas/a.txt": b"not *.json",
+            "src/sub/deeper/y.py": b"",  # not a listed package
+            "units/b.conf": b"",
+            "other/z.py": b"",  # not mapped at all
+        },
+    )
+    assert sorted(wheel_files(project)) == SHIPPED_NAMES
+    assert runtime_hash(wheel_files(project), python_version="CPython 3.11.7", dependencies=DEPS) == before
+    make_tree(project, {"src/new_module.py": b""})  # the next wheel ships it
+    assert "ns/pkg/new_module.py" in wheel_files(project)
+
+
+def fake_editable_install(site: Path, project: Path, *, url: str | None = None) -> metadata.Distribution:
+    """A dist-info as pip writes it for an editable install: RECORD lists the hook only."""
+    make_tree(
+        site / "ns_dist-1.0.dist-info",
+        {
+            "METADATA": b"Metadata-Version: 2.1\nName: ns-dist\nVersion: 1.0\n",
+            "RECORD": b"__editable__.ns_dist-1.0.pth,,\nns_dist-1.0.dist-info/RECORD,,\n",
+            "direct_url.json": json.dumps(
+                {"url": url or project.as_uri(), "dir_info": {"editable": True}}
+            ).encode(),
+        },
+    )
+    (dist,) = metadata.distributions(name="ns-dist", path=[str(site)])
+    return dist
+
+
+def test_an_editable_install_is_found_through_its_direct_url(tmp_path: Path) -> None:
+    project = make_tree(tmp_path / "check out", PROJECT_FILES)  # a space: the URL is quoted
+    assert "%20" in project.as_uri()
+    assert sorted(shipped_files(fake_editable_install(tmp_path / "site", project))) == SHIPPED_NAMES
+    remote = fake_editable_install(tmp_path / "other-site", project, url="https://example.invalid/x")
+    with pytest.raises(ShippedFilesError, match="lists no file under sandbox_supervisor/ and is not an editable install"):
+        shipped_files(remote)
+
+
+def test_an_editable_checkout_without_a_package_list_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ShippedFilesError, match="cannot read .*pyproject.toml"):
+        wheel_files(tmp_path)
+    (tmp_path / "pyproject.toml").write_text("[tool.setuptools.packages.find]\n")
+    with pytest.raises(ShippedFilesError, match="does not list its packages"):
+        wheel_files(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("package", "expected"),
+    [
+        ("sandbox_supervisor.daemon", "supervisor"),
+        ("sandbox_supervisor.daemon.ops", "supervisor/ops"),
+        ("sandbox_supervisor.units", "systemd"),
+        ("other.pkg", "src/other/pkg"),  # the root mapping ""
+    ],
+)
+def test_source_directory_follows_the_longest_mapped_prefix(package: str, expected: str) -> None:
+    mapping = {"sandbox_supervisor.daemon": "supervisor", "sandbox_supervisor.units": "systemd", "": "src"}
+    assert str(source_directory(package, mapping)) == expected
+
+
+def test_an_egg_info_left_in_the_working_directory_is_not_the_installation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = installed_files()
+    # What `python -m` from a checkout sees: a build's egg-info first on sys.path.
+    make_tree(
+        tmp_path / "sandbox_supervisor.egg-info",
+        {"PKG-INFO": b"Metadata-Version: 2.1\nName: sandbox-supervisor\nVersion: 0.0.1\n", "SOURCES.txt": b"supervisor/app.py\n"},
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = next(iter(metadata.distributions(name="sandbox-supervisor")))
+    assert first.version == "0.0.1"  # importlib.metadata would pick it
+    assert installed_files() == expected
+
+
+def test_a_distribution_that_does_not_hold_the_imported_code_is_refused() -> None:
+    with pytest.raises(ShippedFilesError, match="no installed pytest distribution provides the code Python imports"):
+        installed_files("pytest")
 
 
 def test_sha256_file_matches_hashlib(tmp_path: Path) -> None:

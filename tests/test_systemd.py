@@ -1,6 +1,6 @@
 """The systemd units (checked by systemd itself and against the daemon's own numbers), the
-example configuration they start the daemon with, sd_notify and the watchdog interval, and
-the OOM-score wrapper for commands."""
+example configuration they start the daemon with, `install-units` (which writes exactly these
+files), sd_notify and the watchdog interval, and the OOM-score wrapper for commands."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from sandbox_supervisor.daemon.ops import cli
 from sandbox_supervisor.daemon.ops.cli import EXIT_TERMINATED
 from sandbox_supervisor.daemon.config import ExecConfig, WebSocketConfig, load_config, parse_host_port
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
@@ -217,6 +218,108 @@ def test_example_config_validates_and_matches_the_units() -> None:
     assert EXEC_START.endswith(str(config_dir / EXAMPLE_CONFIG.name))
     assert config.websocket.metrics_enabled is False
     assert config.logging.format == "json"
+
+
+# --- install-units: the same files, written where systemd and the unit look -------------
+
+INSTALLED_UNIT_DIR = Path("etc/systemd/system")
+INSTALLED_CONFIG = Path("etc/sandbox-supervisor/supervisor.toml")
+CLI_TIMEOUT_S = 60
+
+
+def install_units(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli.main(["install-units", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_install_units_writes_the_verified_units_and_the_example_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old_umask = os.umask(0o077)  # image builds may run with a strict umask: modes must not follow it
+    try:
+        code, out, err = install_units(capsys, "--root", str(tmp_path))
+    finally:
+        os.umask(old_umask)
+    assert (code, err) == (0, "")
+    written = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == sorted([INSTALLED_CONFIG, *(INSTALLED_UNIT_DIR / unit.name for unit in UNIT_FILES)])
+    for unit in UNIT_FILES:  # byte for byte what the tests above verify
+        assert (tmp_path / INSTALLED_UNIT_DIR / unit.name).read_bytes() == unit.read_bytes()
+    assert (tmp_path / INSTALLED_CONFIG).read_bytes() == EXAMPLE_CONFIG.read_bytes()
+    for path in tmp_path.rglob("*"):
+        expected = 0o755 if path.is_dir() else 0o644
+        assert path.stat().st_mode & 0o777 == expected, path
+    # The config lands where ExecStart reads it; the report names every file it wrote.
+    assert EXEC_START.endswith("/" + str(INSTALLED_CONFIG))
+    assert sorted(out.splitlines()) == sorted(f"wrote {tmp_path / path}" for path in written)
+
+
+def test_install_units_replaces_units_and_keeps_an_existing_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert install_units(capsys, "--root", str(tmp_path))[0] == 0
+    service = tmp_path / INSTALLED_UNIT_DIR / SERVICE.name
+    config = tmp_path / INSTALLED_CONFIG
+    service.write_text("[Service]\nExecStart=/bin/false\n")
+    config.write_text("# the operator's own\n")
+    code, out, _ = install_units(capsys, "--root", str(tmp_path))
+    assert code == 0
+    assert service.read_bytes() == SERVICE.read_bytes()  # units belong to the release
+    assert config.read_text() == "# the operator's own\n"  # the configuration to the operator
+    assert f"kept {config} (it exists; --force replaces it)" in out.splitlines()
+    code, out, _ = install_units(capsys, "--root", str(tmp_path), "--force")
+    assert code == 0
+    assert config.read_bytes() == EXAMPLE_CONFIG.read_bytes()
+    assert f"wrote {config}" in out.splitlines()
+
+
+def test_install_units_replaces_a_masked_unit_instead_of_writing_through_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `systemctl mask` is a symlink to /dev/null; here, to a file we can watch.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("untouched\n")
+    unit_dir = tmp_path / "root" / INSTALLED_UNIT_DIR
+    unit_dir.mkdir(parents=True)
+    (unit_dir / SERVICE.name).symlink_to(elsewhere)
+    assert install_units(capsys, "--root", str(tmp_path / "root"))[0] == 0
+    assert not (unit_dir / SERVICE.name).is_symlink()
+    assert (unit_dir / SERVICE.name).read_bytes() == SERVICE.read_bytes()
+    assert elsewhere.read_text() == "untouched\n"
+    assert [p.name for p in unit_dir.iterdir() if p.name.startswith(".")] == []  # no leftovers
+
+
+def test_install_units_refuses_a_bad_root_with_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-root"
+    code, out, err = install_units(capsys, "--root", str(missing))
+    assert (code, out) == (2, "")
+    assert err == f"sandbox-supervisor: --root {missing} is not a directory\n"
+    assert not missing.exists()
+    # A file where a directory must go: the file system's refusal, named, not a traceback.
+    (tmp_path / "etc").write_text("a file\n")
+    code, out, err = install_units(capsys, "--root", str(tmp_path))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"sandbox-supervisor: cannot write {tmp_path / INSTALLED_UNIT_DIR}/")
+    # --force cannot replace a directory standing where the configuration goes.
+    other = tmp_path / "other"
+    (other / INSTALLED_CONFIG).mkdir(parents=True)
+    code, _, err = install_units(capsys, "--root", str(other), "--force")
+    assert code == 2 and err.startswith(f"sandbox-supervisor: cannot write {other / INSTALLED_CONFIG}:")
+
+
+def test_install_units_runs_as_the_console_script(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "sandbox-supervisor"
+    completed = subprocess.run(
+        [str(script), "install-units", "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert (tmp_path / INSTALLED_CONFIG).read_bytes() == EXAMPLE_CONFIG.read_bytes()
+    assert len(completed.stdout.splitlines()) == len(UNIT_FILES) + 1
 
 
 # --- sd_notify and the watchdog interval -------------------------------------------------

@@ -1,4 +1,5 @@
-"""Command line: serve, check-config, keys, onboard-template (docs/operations.md).
+"""Command line: serve, check-config, keys, onboard-template, install-units, --version
+(docs/operations.md).
 
 The daemon (`app`) is imported inside its handler, so the light commands (check-config, keys)
 start fast and work without the daemon's dependencies loaded. The demo is the kit's
@@ -11,12 +12,16 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from sandbox_supervisor.daemon.config import ConfigError, SupervisorConfig, load_config, masked_dict
 
 PROG = "sandbox-supervisor"
+DISTRIBUTION = "sandbox-supervisor"
+# What --version says when the code runs without installed metadata (the same as /healthz).
+UNKNOWN_VERSION = "0+unknown"
 EXIT_OK = 0
 EXIT_BAD_CONFIG = 2  # bad configuration or arguments (argparse uses 2 as well)
 EXIT_TERMINATED = 78  # terminated after a bootstrap rejection; systemd does not restart it
@@ -46,8 +51,17 @@ def build_serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
+def installed_version() -> str:
+    """The installed distribution's version, from its metadata (never a second copy in code)."""
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return UNKNOWN_VERSION
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="In-sandbox supervisor daemon.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the daemon")
@@ -95,6 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_onboarding_arguments(onboard)
     onboard.set_defaults(handler=_cmd_onboard_template)
+
+    units = commands.add_parser(
+        "install-units",
+        help="write the systemd units and the example configuration",
+        description="Write the units shipped in the package into ROOT/etc/systemd/system/ "
+        "(replacing them) and the example configuration to "
+        "ROOT/etc/sandbox-supervisor/supervisor.toml (kept when it exists, unless --force).",
+    )
+    units.add_argument("--root", type=Path, default=Path("/"), metavar="DIR",
+                       help="install under this directory, e.g. an image's root (default: /)")
+    units.add_argument("--force", action="store_true", help="replace an existing configuration")
+    units.set_defaults(handler=_cmd_install_units)
     return parser
 
 
@@ -217,3 +243,16 @@ def _cmd_onboard_template(args: argparse.Namespace) -> int:
     from sandbox_supervisor.daemon.ops.onboarding import run
 
     return run(args)
+
+
+def _cmd_install_units(args: argparse.Namespace) -> int:
+    from sandbox_supervisor.daemon.ops.units import InstallUnitsError, install_units
+
+    try:
+        installed = install_units(args.root, force=args.force)
+    except InstallUnitsError as exc:
+        _error(str(exc))
+        return EXIT_BAD_CONFIG
+    for item in installed:
+        print(item.describe())
+    return EXIT_OK

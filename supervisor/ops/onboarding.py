@@ -8,12 +8,17 @@ What is computed, and from what:
 - `supervisorEntrySha256`: sha256 of the console script `sandbox-supervisor` of the running
   interpreter's environment (`sysconfig` "scripts" dir), the file the unit's ExecStart runs.
   It pins the interpreter path and the entry function. `--entry FILE` hashes another file.
-- `runtimeHash`: sha256 over the distribution's packages as Python imports them (every file
-  under each package directory except bytecode caches), the Python implementation and
+- `runtimeHash`: sha256 over the distribution's own files, the Python implementation and
   version, and the installed versions of every dependency (transitively, extras excluded).
-  Packages are hashed where they are imported from rather than from the distribution's file
-  list: an editable install (or a stale egg-info in the working directory) lists the wrong
-  files, while the import location is the code that actually runs.
+  "Own files" (shipped.py has the details): for a wheel install, the files its RECORD lists
+  under `sandbox_supervisor/` (bytecode caches excluded), so a file dropped into a package
+  directory changes nothing while a changed shipped file changes the hash; for an editable
+  install, whose RECORD lists only an import hook, the files a wheel built from the checkout
+  would contain (each package's `*.py`, plus pyproject.toml's package-data: `py.typed`, the
+  schemas, the units), so scratch files and caches in the checkout do not count but a new
+  module does. Either way a file is named by its install path, so a wheel and an editable
+  install of the same code hash alike. The distribution is the one that holds the packages
+  Python imports (never an egg-info a build left in the working directory).
 - `supervisor.version`: the installed distribution's version.
 - `supervisor.sha`: the commit the supervisor was built from, recorded at build time:
   `--supervisor-sha`, else $SUPERVISOR_BUILD_SHA (set it in the image build), else,
@@ -50,24 +55,26 @@ from sandbox_supervisor.protocol.onboarding import (
     TemplateOnboarding,
     format_utc,
 )
+from sandbox_supervisor.daemon.ops.shipped import (  # noqa: F401 - RUNTIME_PACKAGES re-exported
+    DISTRIBUTION,
+    RUNTIME_PACKAGES,
+    ShippedFilesError,
+    installed_files,
+)
 from sandbox_supervisor.daemon.ops.onboarding_store import (  # noqa: F401 - re-exported: the store API lives here too
     JsonFileOnboardingStore,
     OnboardingStore,
     OnboardingStoreError,
 )
 
-DISTRIBUTION = "sandbox-supervisor"
 CONSOLE_SCRIPT = "sandbox-supervisor"
-# The import packages of the distribution (pyproject: tool.setuptools.packages.find.include).
-RUNTIME_PACKAGES = ("sandbox_supervisor.protocol", "sandbox_supervisor.daemon", "sandbox_supervisor.testing")
 # Not SANDBOX_SUPERVISOR_…: every variable of that prefix is a config override, and an
 # unknown one is an error (check-config and serve in the image would refuse to start).
 BUILD_SHA_ENV = "SUPERVISOR_BUILD_SHA"
 # Versioned so that a change to what is hashed is a visible change of format, not a mystery.
-RUNTIME_HASH_FORMAT = "sandbox-supervisor-runtime-hash/1"
-# Compiled bytecode embeds source mtimes and depends on when imports happened: not content.
-SKIPPED_DIRECTORIES = frozenset({"__pycache__"})
-SKIPPED_SUFFIXES = (".pyc", ".pyo")
+# 2: the distribution's own files (shipped.py), named by install path, units included.
+RUNTIME_HASH_FORMAT = "sandbox-supervisor-runtime-hash/2"
+RUNTIME_HASH_WHERE = "(runtime hash)"
 HASH_CHUNK_BYTES = 1024 * 1024
 GIT_TIMEOUT_S = 10
 COMPONENT_SEPARATOR = "="
@@ -89,7 +96,7 @@ FLAG_FOR_FIELD = {
     "supervisor.version": "(installed version)",
     "supervisor.sha": "--supervisor-sha",
     "supervisorEntrySha256": "--entry",
-    "runtimeHash": "(runtime hash)",
+    "runtimeHash": RUNTIME_HASH_WHERE,
     "components": "--component",
     "onboardedAt": "--onboarded-at",
 }
@@ -119,40 +126,26 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tree_files(root: Path) -> list[tuple[str, Path]]:
-    """(relative POSIX path, file) for every regular file under `root`, bytecode excluded,
-    sorted by path. Symlinks to files count as their target's content; directories are not
-    followed through symlinks (a loop cannot hang the walk)."""
-    found: list[tuple[str, Path]] = []
-    for directory, subdirectories, files in os.walk(root):
-        subdirectories[:] = sorted(d for d in subdirectories if d not in SKIPPED_DIRECTORIES)
-        for name in files:
-            if name.endswith(SKIPPED_SUFFIXES):
-                continue
-            path = Path(directory, name)
-            if path.is_file():
-                found.append((path.relative_to(root).as_posix(), path))
-    return sorted(found)
-
-
 def runtime_hash(
-    packages: Mapping[str, Path],
+    files: Mapping[str, Path],
     *,
     python_version: str,
     dependencies: Mapping[str, str],
 ) -> str:
     """sha256 over the canonical description of a runtime: one JSON array per line —
-    the format marker, the Python version, each dependency (sorted by name) and each file of
-    each package (sorted by package-qualified path) with the sha256 of its content.
-    JSON keeps a path containing a newline or a space from being read as two fields."""
+    the format marker, the Python version, each dependency (sorted by name) and each file
+    (sorted by name, `sandbox_supervisor/daemon/app.py`) with the sha256 of its content.
+    JSON keeps a name containing a newline or a space from being read as two fields."""
     lines: list[Any] = [["format", RUNTIME_HASH_FORMAT], ["python", python_version]]
     lines += [["dependency", name, dependencies[name]] for name in sorted(dependencies)]
-    files = [
-        (f"{package}/{relative}", path)
-        for package, root in packages.items()
-        for relative, path in tree_files(root)
-    ]
-    lines += [["file", name, sha256_file(path)] for name, path in sorted(files)]
+    for name in sorted(files):
+        try:
+            lines.append(["file", name, sha256_file(files[name])])
+        except OSError as exc:
+            # RECORD lists it, so the install is damaged: a record would describe other code.
+            raise OnboardingInputError(
+                [(RUNTIME_HASH_WHERE, f"cannot read {files[name]}, a file of the installed distribution: {exc.strerror}")]
+            ) from exc
     digest = hashlib.sha256()
     for line in lines:
         digest.update(json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
@@ -204,11 +197,11 @@ def dependency_versions(distribution: str = DISTRIBUTION) -> dict[str, str]:
 
 
 def installed_runtime_hash() -> str:
-    return runtime_hash(
-        package_directories(),
-        python_version=python_version(),
-        dependencies=dependency_versions(),
-    )
+    try:
+        files = installed_files()
+    except ShippedFilesError as exc:
+        raise OnboardingInputError([(RUNTIME_HASH_WHERE, str(exc))]) from exc
+    return runtime_hash(files, python_version=python_version(), dependencies=dependency_versions())
 
 
 def entry_point_path() -> Path:
