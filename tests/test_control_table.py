@@ -125,6 +125,13 @@ def test_readiness_that_cannot_be_sent_closes_1011():
     assert machine.readiness_failed() == close(1011, closes.SEND_FAILED_REASON)
 
 
+@pytest.mark.parametrize("state", [ChannelState.BINDING, ChannelState.ATTACHED])
+def test_state_that_cannot_be_read_for_an_answer_closes_1011(state):
+    machine = channel(state)
+    assert machine.state_unavailable() == close(1011, closes.INTERNAL_REASON)
+    assert machine.state is ChannelState.CLOSED
+
+
 # --- attached --------------------------------------------------------------------------------
 
 

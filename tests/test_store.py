@@ -234,8 +234,7 @@ def test_a_batch_with_a_bad_event_journals_nothing(store: StateStore) -> None:
 def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
         store.append_events([("tool.result", tool_result(n=n)) for n in range(1, 6)], now=NOW)
-        store.raise_ack_floor(5)
-        assert store.prune_acked(5) == 5
+        assert store.raise_ack_floor(5, prune=True) == 5
         snap = store.snapshot()
         # Everything pruned: oldest retained is one past the max, and the max is kept.
         assert (snap.local_event_max, snap.oldest_retained_seq) == (5, 6)
@@ -245,12 +244,26 @@ def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
         assert (snap.local_event_max, snap.oldest_retained_seq, snap.ack_floor) == (7, 6, 5)
 
 
-def test_prune_never_passes_the_ack_floor(store: StateStore) -> None:
+def test_an_ack_prunes_what_the_floor_covers_and_no_more(store: StateStore) -> None:
     store.append_events([("tool.result", tool_result()) for _ in range(4)], now=NOW)
-    store.raise_ack_floor(2)
-    assert store.prune_acked(4) == 2  # asked for 4, only 1..2 are acked
+    store.raise_ack_floor(2, prune=True)
     assert [seq for seq, _ in store.events_after(0, 10)] == [3, 4]
     assert store.snapshot().oldest_retained_seq == 3
+    # A lower ack later never lowers the floor, and prunes nothing more.
+    assert store.raise_ack_floor(1, prune=True) == 2
+    assert [seq for seq, _ in store.events_after(0, 10)] == [3, 4]
+
+
+def test_an_ack_that_fails_moves_neither_the_floor_nor_the_journal(store: StateStore) -> None:
+    """Floor and prune are one transaction: a failure half way leaves both as they were."""
+    store.append_events([("tool.result", tool_result()) for _ in range(3)], now=NOW)
+    store._conn.execute(
+        "CREATE TEMP TRIGGER refuse_prune BEFORE DELETE ON events BEGIN SELECT RAISE(ABORT, 'disk I/O'); END"
+    )
+    with pytest.raises(StoreError):
+        store.raise_ack_floor(2, prune=True)
+    assert store.snapshot().ack_floor == 0
+    assert [seq for seq, _ in store.events_after(0, 10)] == [1, 2, 3]
 
 
 def test_ack_floor_never_lowers_and_never_passes_the_journal(state_dir: Path) -> None:

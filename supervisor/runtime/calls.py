@@ -296,6 +296,7 @@ class CallRunner:
             result = tool.run_now(running)
             if result is None:
                 return None
+            tool.result.model_validate(result)  # a result its own model refuses is a bug
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except ToolFailure as exc:
             body = failure_body(call, exc)
@@ -308,6 +309,7 @@ class CallRunner:
         started = time.monotonic()
         try:
             result = await tool.run(running)
+            tool.result.model_validate(result)  # a result its own model refuses is a bug
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except ToolFailure as exc:
             body = failure_body(call, exc)
@@ -358,14 +360,18 @@ class CallRunner:
         call = running.call
         key = call.idempotency_key
         try:
-            if key is not None and frees_key(running, body):
-                rows = self.journal.release_call(key, body)
-            else:
-                rows = self.journal.complete_call(key, body, running.final_events)
+            try:
+                rows = self._journal(running, body)
+            except ValueError:
+                # The protocol's models refused what the tool produced (a bug in the tool):
+                # the call still gets its one result, `internal`, and the session goes on.
+                body = crashed_body(call)
+                running.final_events.clear()
+                rows = self._journal(running, body)
         except StoreError:
             # One call's failure to journal must not take the session's other calls down.
             # With a key the record stays pending: the result is kept here and journaled
-            # when the key comes back (or the next start resolves the record, §10.2).
+            # when the key comes back (or the next start resolves the record, §7.1).
             log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
             if key is not None:
                 self._keep_unjournaled(key, _Unjournaled(running, body, started))
@@ -383,3 +389,9 @@ class CallRunner:
             generation=running.context.generation,
         )
         return rows[-1][1]
+
+    def _journal(self, running: RunningCall, body: dict[str, Any]) -> list[tuple[int, str]]:
+        key = running.call.idempotency_key
+        if key is not None and frees_key(running, body):
+            return self.journal.release_call(key, body)
+        return self.journal.complete_call(key, body, running.final_events)

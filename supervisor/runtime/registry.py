@@ -8,10 +8,15 @@ Adding a tool: its wire models and scope in `protocol.tools`, its module under r
 
 from __future__ import annotations
 
+from sandbox_supervisor.protocol.tools import TOOL_NAMES
 from sandbox_supervisor.daemon.runtime.tool import Recover, Tool, ToolModule, ToolServices
 from sandbox_supervisor.daemon.runtime.tools import apply_file_patch, execute_shell_command, read_file
 
 TOOL_MODULES: tuple[ToolModule, ...] = (apply_file_patch, execute_shell_command, read_file)
+
+
+class RegistryMismatch(Exception):
+    """The registry and the protocol disagree on the tools (a bug: the daemon refuses to start)."""
 
 
 def bind_tools(services: ToolServices) -> dict[str, Tool]:
@@ -19,6 +24,10 @@ def bind_tools(services: ToolServices) -> dict[str, Tool]:
     for module in TOOL_MODULES:
         tool = module.bind(services)
         tools[tool.name] = tool
+    # Every tool the protocol accepts must be runnable, and nothing else: a call that passed
+    # parse_tool_call must find its tool here.
+    if set(tools) != set(TOOL_NAMES):
+        raise RegistryMismatch(f"registry has {sorted(tools)}, the protocol {sorted(TOOL_NAMES)}")
     return tools
 
 

@@ -52,6 +52,7 @@ def bind(body: BootstrapBody, store: StateStore, status: DaemonStatus, rules: Bi
     try:
         binding = store.binding()
     except StoreError:
+        log.exception("bootstrap.state_unavailable")
         return BindFailed()
     decision = decide_binding(
         body,
@@ -69,6 +70,7 @@ def bind(body: BootstrapBody, store: StateStore, status: DaemonStatus, rules: Bi
         except (StoreError, AlreadyBound):
             # AlreadyBound cannot happen on the one trio thread (the binding was read just
             # above); were it to, answering from a binding we did not re-read would be wrong.
+            log.exception("bootstrap.state_unavailable")
             log_stage(STAGE_PERSISTED, "failure", started, body.sessionId)
             return BindFailed()
         status.session = body

@@ -194,6 +194,11 @@ class ControlChannel:
         """runtime.state could not be sent."""
         return self._close(closes.CLOSE_INTERNAL_ERROR, closes.SEND_FAILED_REASON)
 
+    def state_unavailable(self) -> list[Action]:
+        """The state database could not be read for an answer this socket needs (the
+        snapshot behind runtime.state): the socket cannot go on."""
+        return self._close(closes.CLOSE_INTERNAL_ERROR, closes.INTERNAL_REASON)
+
     def rejection_finished(self, *, rejection_sent: bool, peer_closed: bool) -> list[Action]:
         """The rejection ended: sent or not, and closed by the client (with whatever code)
         or not within the receipt timeout."""

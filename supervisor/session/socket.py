@@ -35,7 +35,6 @@ from sandbox_supervisor.daemon.runtime.calls import CallContext, SendReply
 from sandbox_supervisor.daemon.session import bootstrap
 from sandbox_supervisor.daemon.session.control import (
     Acknowledge,
-    BindFailed,
     Action,
     Bind,
     Close,
@@ -60,7 +59,7 @@ CLOSE_HANDSHAKE_TIMEOUT_S = 1.0
 # A UTF-8 character is at most this many bytes: a text message of n characters can exceed
 # the byte limit only when n * 4 does.
 MAX_UTF8_BYTES_PER_CHAR = 4
-ACK_NOT_RECORDED_MESSAGE = "The supervisor could not record the ack; send it again."
+ACK_NOT_RECORDED_MESSAGE = "The supervisor could not record the ack; send it again."  # nothing of it was
 ACK_AHEAD_MESSAGE = "The ack is above the highest journaled seq."
 
 class RuntimePort(Protocol):
@@ -267,7 +266,8 @@ class ControlSocket:
         try:
             snapshot = services.store.snapshot()
         except StoreError:
-            return await self._carry_out(self.channel.binding_decided(BindFailed()))
+            self.log.exception("bootstrap.state_unavailable")
+            return await self._carry_out(self.channel.state_unavailable())
         frame = bootstrap.readiness_frame(
             action.body,
             generation=conn.generation,

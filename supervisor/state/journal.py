@@ -51,9 +51,9 @@ class Journal:
         return self.store.events_after(seq, limit, max_chars)
 
     def acknowledge(self, seq: int) -> int:
-        """Raise the ack floor (AckAhead above the journal) and prune what it covers."""
-        floor = self.store.raise_ack_floor(seq)
-        self.store.prune_acked(floor)
+        """Raise the ack floor (AckAhead above the journal) and prune what it covers, in one
+        transaction (StoreError: neither happened)."""
+        floor = self.store.raise_ack_floor(seq, prune=True)
         self.pruned_through = max(self.pruned_through, floor)
         self._trim_recent()
         return floor

@@ -387,9 +387,11 @@ class StateStore:
                 "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (META_TERMINATED, value)
             )
 
-    def raise_ack_floor(self, seq: int) -> int:
+    def raise_ack_floor(self, seq: int, *, prune: bool = False) -> int:
         """Raise the ack floor to `seq` (never lowers it); returns the floor now in force.
-        AckAhead when `seq` is above the highest journaled seq."""
+        AckAhead when `seq` is above the highest journaled seq. With `prune`, the events the
+        floor covers are deleted in the same transaction: the floor moves if and only if they
+        go, so a failed ack leaves nothing half done."""
         if seq < 0:
             raise ValueError("an ack seq cannot be negative")
         with self._transaction() as conn:
@@ -399,6 +401,8 @@ class StateStore:
                 raise AckAhead(f"ack {seq} is above the highest journaled seq {last_seq}")
             floor = max(int(meta.get(META_ACK_FLOOR, 0)), seq)
             _write_meta(conn, {META_ACK_FLOOR: str(floor)})
+            if prune:
+                conn.execute("DELETE FROM events WHERE seq <= ?", (floor,))
         return floor
 
     def append_events(
@@ -411,14 +415,6 @@ class StateStore:
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
             return self._append_events_in(conn, events, created_at)
-
-    def prune_acked(self, upto: int) -> int:
-        """Delete events with seq <= min(upto, ack floor); returns how many were deleted.
-        The floor bound means a caller can never prune what the client has not stored."""
-        with self._transaction() as conn:
-            floor = int(_read_meta(conn, META_ACK_FLOOR).get(META_ACK_FLOOR, 0))
-            cursor = conn.execute("DELETE FROM events WHERE seq <= ?", (min(upto, floor),))
-            return cursor.rowcount
 
     # -- idempotency -----------------------------------------------------------------------
 
