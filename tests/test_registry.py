@@ -8,6 +8,7 @@ import typing
 import pytest
 import trio
 
+from sandbox_supervisor.protocol import frames
 from sandbox_supervisor.protocol import tools as wire
 from sandbox_supervisor.daemon.runtime import registry
 from sandbox_supervisor.daemon.runtime.registry import RegistryMismatch, bind_tools, recoverers
@@ -26,8 +27,11 @@ def services() -> ToolServices:
 def test_the_registry_binds_exactly_the_protocols_tools_with_its_models():
     tools = bind_tools(services())
     assert set(tools) == set(wire.TOOL_NAMES) == set(CALL_MODELS)
+    results = {"read_file": frames.ReadFileResult, "apply_file_patch": frames.PatchResult,
+               "execute_shell_command": frames.ShellResult}
     for name, tool in tools.items():
         assert tool.params is CALL_MODELS[name].model_fields["parameters"].annotation
+        assert tool.result is results[name]  # the model its results are documented by
         assert tool.scope == wire.TOOL_SCOPES[name]
     assert set(recoverers()) == set(wire.TOOL_NAMES)
 
