@@ -87,20 +87,6 @@ TOOL_ERROR_CODES = frozenset(
         INTERNAL,
     }
 )
-# The codes an `error` frame may carry (docs/protocol.md §6.5). Not journaled; the socket
-# stays open.
-FRAME_ERROR_CODES = frozenset(
-    {
-        INVALID_FRAME,
-        UNKNOWN_KIND,
-        GENERATION_MISMATCH,
-        ACK_AHEAD,
-        FORBIDDEN,
-        UNKNOWN_CALL,
-        NOT_RUNNING,
-        INTERNAL,
-    }
-)
 # The codes of `session.bootstrap.rejected` (docs/protocol.md §5.4). Every one is terminal.
 BOOTSTRAP_REJECTION_CODES = frozenset(
     {BOOTSTRAP_MISMATCH, CWD_INVALID, REPOSITORY_MISSING, PROFILE_NOT_ALLOWED}
@@ -152,6 +138,8 @@ HTTP_ERROR_MEANINGS: dict[str, str] = {
     ),
 }
 
+# The codes an `error` frame may carry (docs/protocol.md §6.5; not journaled, the socket stays
+# open), with their meanings.
 FRAME_ERROR_MEANINGS: dict[str, str] = {
     INVALID_FRAME: (
         "The frame is not JSON, not an object, has no string kind, or does not match its "

@@ -74,6 +74,11 @@ SERVER_KINDS = frozenset(
     }
 )
 
+# --- messages ---
+# The message of generation_mismatch, sent by the socket (§4) and by a call that waited for a
+# slot while the fence moved: one text for one refusal.
+STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
+
 # --- limits ---
 MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length (§6.3)
 # FrameError.kind / .reason are for logs: cap what the peer can put there.

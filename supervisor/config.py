@@ -7,7 +7,6 @@ together, each with its dotted key.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import tomllib
@@ -28,12 +27,14 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from sandbox_supervisor.protocol import bootstrap
+from sandbox_supervisor.protocol.addresses import parse_host_port
+
+__all__ = ["parse_host_port"]  # re-exported: listen addresses are validated with it
 
 ENV_PREFIX = "SANDBOX_SUPERVISOR_"
 # Separates section from key in an environment variable name (SECTION__KEY).
 ENV_SECTION_SEPARATOR = "__"
 
-MAX_PORT = 65535
 MASK = "***"
 # Key names containing one of these are masked by `masked_dict` (none exist today; the rule is
 # here so a future secret cannot leak through check-config by accident).
@@ -43,7 +44,6 @@ NOT_SECRET_KEYS = frozenset({"jwks_file"})
 
 ENV_NAME_PATTERN = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 PROFILE_PATTERN = re.compile(bootstrap.PROFILE_PATTERN)  # the profiles a bootstrap can name
-_HOST_NAME_PATTERN = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})$")
 
 DEFAULT_BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -67,29 +67,6 @@ PositiveSeconds = Annotated[float, Field(gt=0)]
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """Split `HOST:PORT` (IPv6 in brackets: `[::1]:8787`) and validate both parts."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    if not port_text.isascii() or not port_text.isdigit():
-        raise ValueError(f"port must be decimal digits in {value!r}")
-    port = int(port_text)
-    if port > MAX_PORT:
-        raise ValueError(f"port must be 0..{MAX_PORT} in {value!r}")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise ValueError(f"invalid IPv6 address in {value!r}") from None
-        return host[1:-1], port
-    if ":" in host:
-        raise ValueError(f"an IPv6 host must be in brackets, as [::1]:PORT, in {value!r}")
-    if not _HOST_NAME_PATTERN.match(host):
-        raise ValueError(f"invalid host in {value!r}")
-    return host, port
 
 
 class ListenConfig(_Section):

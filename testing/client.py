@@ -19,7 +19,9 @@ import h11
 import trio
 import trio_websocket
 
+from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol import headers as H
+from sandbox_supervisor.protocol.addresses import format_host_port, parse_host_port
 from sandbox_supervisor.protocol.closes import CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON
 from sandbox_supervisor.testing._groups import single_leaf
 from sandbox_supervisor.testing.authority import LoopbackAuthority
@@ -29,10 +31,10 @@ CONNECT_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0
 RECEIVE_BUFFER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (replays, pages)
-FRAME_ERRORS = ("invalid_frame", "unknown_kind", "generation_mismatch")
+FRAME_ERRORS = (errors.INVALID_FRAME, errors.UNKNOWN_KIND, errors.GENERATION_MISMATCH)
 # Results that never held the idempotency key (docs/protocol.md §8): after a tool.pending
 # they are not the one result the key's first execution will produce.
-NON_CLAIMING_CODES = frozenset({"too_many_processes", "idempotency_key_reused"})
+NON_CLAIMING_CODES = frozenset({errors.TOO_MANY_PROCESSES, errors.IDEMPOTENCY_KEY_REUSED})
 # How often call_and_wait sends a call again (same key) after the daemon said it could not
 # record its result yet (error frame `internal` for the call).
 RECORD_RETRIES = 3
@@ -63,7 +65,7 @@ class CallNotAnswered(Exception):
         self.call_id = call_id
         self.code = body.get("code")
         self.message = body.get("message")
-        self.retryable = keyed and self.code == "internal"
+        self.retryable = keyed and self.code == errors.INTERNAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +80,14 @@ class Endpoint:
         """"unix:/path" or "HOST:PORT" (as in listening.json)."""
         if value.startswith("unix:"):
             return cls(unix=value[len("unix:"):])
-        host, _, port = value.rpartition(":")
-        return cls(tcp=(host.strip("[]"), int(port)))
+        return cls(tcp=parse_host_port(value))
 
     def __str__(self) -> str:
         return f"unix:{self.unix}" if self.unix is not None else self._host_port()
 
     def _host_port(self) -> str:
         assert self.tcp is not None, "an Endpoint has tcp or unix"
-        return f"{self.tcp[0]}:{self.tcp[1]}"
+        return format_host_port(*self.tcp)
 
     async def open_stream(self) -> trio.SocketStream:
         if self.unix is not None:
@@ -455,7 +456,7 @@ class ControlSession:
                 # An error about the tool.call itself (exec.* frames for the same call get
                 # their own errors, such as not_running, which do not end the wait).
                 if kind == "error" and body.get("call_id") == call_id and (
-                    body.get("code") in FRAME_ERRORS or body.get("code") == "internal"
+                    body.get("code") in FRAME_ERRORS or body.get("code") == errors.INTERNAL
                 ):
                     raise CallNotAnswered(call_id, body, keyed=key is not None)
                 if kind in ("tool.result", "tool.pending"):

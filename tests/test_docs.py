@@ -185,7 +185,7 @@ def check_frame(text: str) -> str:
         elif isinstance(frame, frames.ToolReplayedFrame):
             _check_tool_result(frame.body.original.body)
         elif isinstance(frame, frames.ErrorFrame):
-            assert frame.body.code in errors.FRAME_ERROR_CODES, frame.body.code
+            assert frame.body.code in errors.FRAME_ERROR_MEANINGS, frame.body.code
         elif isinstance(frame, frames.BootstrapRejectedFrame):
             assert frame.body.code in errors.BOOTSTRAP_REJECTION_CODES, frame.body.code
     else:

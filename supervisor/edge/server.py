@@ -19,7 +19,7 @@ import structlog
 import trio
 import trio_websocket
 
-from sandbox_supervisor.daemon.config import parse_host_port
+from sandbox_supervisor.protocol.addresses import format_host_port, parse_host_port
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
 
@@ -236,10 +236,6 @@ class BoundListeners:
     listeners: list[trio.SocketListener]
     tcp: list[str]  # "host:port" as bound (port 0 resolved)
     unix: list[str]
-
-
-def format_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def open_tcp_listener(value: str) -> tuple[list[trio.SocketListener], list[str]]:

@@ -20,6 +20,7 @@ import trio
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.frames import (
+    STALE_FRAME_MESSAGE,
     ErrorBody,
     ErrorFrame,
     ToolPendingBody,
@@ -64,7 +65,6 @@ UNJOURNALED_KEYED_MESSAGE = (
     "The supervisor could not record the call's result yet; retry with the same idempotency key."
 )
 NOT_RECORDED_MESSAGE = "The supervisor could not record the call; nothing was run."
-STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
 KEY_REUSED_MESSAGE = "The idempotency key was used for a different call."
 TOOL_CRASHED_MESSAGE = "The supervisor failed to run the tool."
 

@@ -24,6 +24,7 @@ import structlog
 import trio
 
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
+from sandbox_supervisor.protocol.frames import EXEC_OUTPUT
 from sandbox_supervisor.daemon.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
 from sandbox_supervisor.daemon.runtime.spool import SpoolWriter, prune_spools, spool_usage, stream_path
 from sandbox_supervisor.daemon.state.journal import Journal
@@ -51,7 +52,7 @@ Event = tuple[str, dict[str, Any]]
 
 
 def output_event(call_id: str, stream: Stream, chunk: OutputChunk) -> Event:
-    return ("exec.output", chunk.event_body(call_id, stream))
+    return (EXEC_OUTPUT, chunk.event_body(call_id, stream))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

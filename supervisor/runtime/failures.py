@@ -1,7 +1,7 @@
 """The one typed error the file tools raise (docs/protocol.md §7.6: `tool.result` ok:false).
 
-The dispatcher catches `ToolFailure` alone and journals `to_error()`; anything else that escapes
-a tool is a bug and becomes `internal`. Subclasses (`PatchError`, `PathOutsideWorkspace`) only
+The call runner journals a `ToolFailure` as `to_error()`; anything else that escapes a tool is
+a bug, logged with its traceback (`tool.crashed`) and answered `internal`. Subclasses (`PatchError`, `PathOutsideWorkspace`) only
 name where a failure comes from; the wire sees `code`, `message` and the details.
 """
 

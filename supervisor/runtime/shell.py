@@ -29,7 +29,7 @@ import trio
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
-from sandbox_supervisor.protocol.frames import Signal
+from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, Signal
 from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams, ToolCall
 from sandbox_supervisor.daemon.config import SupervisorConfig
 from sandbox_supervisor.daemon.state.journal import Journal
@@ -217,7 +217,7 @@ class ShellRuntime:
             "duration_ms": int((trio.current_time() - command.started) * 1000),
             **{name: command.output.summary_body(name) for name in STREAMS},
         }
-        running.final_events.append(("exec.completed", {**result, "call_id": call.call_id, "interrupted": False}))
+        running.final_events.append((EXEC_COMPLETED, {**result, "call_id": call.call_id, "interrupted": False}))
         # From here on the output is after_exit; the CallRunner journals final_events and the
         # tool.result in one transaction right after we return (no checkpoint in between).
         self._complete(command)

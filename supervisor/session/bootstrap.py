@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+from structlog.typing import FilteringBoundLogger
 
 from sandbox_supervisor.protocol import PROTOCOL_VERSION
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody, bootstrap_digest
@@ -46,13 +47,20 @@ def log_stage(stage: str, outcome: str, started: float, session_id: str) -> None
     )
 
 
-def bind(body: BootstrapBody, store: StateStore, status: DaemonStatus, rules: BindingRules) -> BindOutcome:
-    """Decide a bootstrap against the binding and persist a new one (before any answer)."""
+def bind(
+    body: BootstrapBody,
+    store: StateStore,
+    status: DaemonStatus,
+    rules: BindingRules,
+    socket_log: FilteringBoundLogger,
+) -> BindOutcome:
+    """Decide a bootstrap against the binding and persist a new one (before any answer).
+    `socket_log` carries the socket's ids, so a failure names the session it cost."""
     digest = bootstrap_digest(body)
     try:
         binding = store.binding()
     except StoreError:
-        log.exception("bootstrap.state_unavailable")
+        socket_log.exception("bootstrap.state_unavailable")
         return BindFailed()
     decision = decide_binding(
         body,
@@ -70,7 +78,7 @@ def bind(body: BootstrapBody, store: StateStore, status: DaemonStatus, rules: Bi
         except (StoreError, AlreadyBound):
             # AlreadyBound cannot happen on the one trio thread (the binding was read just
             # above); were it to, answering from a binding we did not re-read would be wrong.
-            log.exception("bootstrap.state_unavailable")
+            socket_log.exception("bootstrap.state_unavailable")
             log_stage(STAGE_PERSISTED, "failure", started, body.sessionId)
             return BindFailed()
         status.session = body

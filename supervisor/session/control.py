@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_supervisor.protocol import closes, errors
+from sandbox_supervisor.protocol.tools import TOOL_SCOPES
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 from sandbox_supervisor.protocol.frames import (
+    STALE_FRAME_MESSAGE,
     ClientFrameModel,
     ErrorBody,
     ErrorFrame,
@@ -35,9 +37,8 @@ from sandbox_supervisor.protocol.frames import (
     ToolCallFrame,
 )
 
-# The scope exec.signal and exec.read_output need (the scope of execute_shell_command).
-EXEC_SCOPE = "shell:exec"
-STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
+# The scope exec.signal and exec.read_output need: the scope of the command they act on.
+EXEC_SCOPE = TOOL_SCOPES["execute_shell_command"]
 SESSION_MISMATCH_MESSAGE = "Bootstrap sessionId does not match the session."
 EXEC_FORBIDDEN_MESSAGE = "The connection lacks the shell:exec scope."
 

@@ -243,7 +243,8 @@ class ControlSocket:
                 if answer is not None:
                     await self._reply(encode_frame(answer))
             elif isinstance(action, Bind):
-                outcome = bootstrap.bind(action.body, self.services.store, self.services.status, self.services.binding_rules)
+                services = self.services
+                outcome = bootstrap.bind(action.body, services.store, services.status, services.binding_rules, self.log)
                 if not await self._carry_out(self.channel.binding_decided(outcome)):
                     return False
             elif isinstance(action, SendReadiness):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_supervisor.protocol.fencing import fence_admits
-from sandbox_supervisor.protocol.frames import encode_event
+from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
 
 DB_FILENAME = "supervisor.sqlite3"
 STATE_DIR_MODE = 0o700
@@ -470,7 +470,7 @@ class StateStore:
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
             rows = self._append_events_in(
-                conn, [*preceding, ("tool.result", result_body)], created_at
+                conn, [*preceding, (TOOL_RESULT, result_body)], created_at
             )
             seq, frame = rows[-1]
             if key is not None:
@@ -489,7 +489,7 @@ class StateStore:
         transaction, so a retry with the same key can run later."""
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
-            rows = self._append_events_in(conn, [("tool.result", result_body)], created_at)
+            rows = self._append_events_in(conn, [(TOOL_RESULT, result_body)], created_at)
             deleted = conn.execute(
                 "DELETE FROM idempotency WHERE key = ? AND state = 'pending'", (key,)
             ).rowcount
@@ -527,7 +527,7 @@ class StateStore:
                 " VALUES (?, ?, ?, ?, ?)",
                 (call_id, pid, pgid, start_ticks, now),
             )
-            return self._append_events_in(conn, [("exec.started", started_body)], now)
+            return self._append_events_in(conn, [(EXEC_STARTED, started_body)], now)
 
     def forget_process(self, call_id: str) -> None:
         with self._transaction() as conn:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_supervisor.protocol.fields import STREAMS
-from sandbox_supervisor.protocol.frames import ShellResult
+from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, ShellResult
 from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams
 from sandbox_supervisor.daemon.runtime.output import HEAD_TAIL_BYTES, StreamHeadTail
 from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
@@ -79,4 +79,4 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
         record.tool_name,
         error=interrupted(INTERRUPTED_MESSAGE, stdout=summaries["stdout"], stderr=summaries["stderr"]),
     )
-    return Recovered(body, [("exec.completed", completed)])
+    return Recovered(body, [(EXEC_COMPLETED, completed)])
