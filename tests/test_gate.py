@@ -6,6 +6,8 @@ import base64
 import json
 import time
 
+from typing import Any
+
 import pytest
 import trio
 
@@ -13,7 +15,7 @@ from sandbox_supervisor.protocol import headers as H
 from sandbox_supervisor.daemon.auth.gate import Lifecycle
 from sandbox_supervisor.testing import authority as forge
 from sandbox_supervisor.testing.authority import OMIT, LoopbackAuthority, combine_jwks
-from sandbox_supervisor.testing.client import BootstrapRejected, UpgradeRejected
+from sandbox_supervisor.testing.client import BootstrapRejected, ControlClient, Endpoint, UpgradeRejected
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout, running_daemon
 
 
@@ -405,3 +407,82 @@ async def test_upgrade_decisions_are_logged_without_the_assertion(tmp_path, auth
     assert refused and refused[0]["error"] == "invalid_authority"
     assert token not in process.log_text()
     assert token.split(".")[2] not in process.log_text()
+
+
+async def test_an_upgrade_the_store_cannot_record_is_500_and_moves_nothing(daemon):
+    """The database refuses the admitted attempt's record (a real sqlite error: the daemon's
+    own connection made read-only): 500 state_unavailable, and neither the fence nor the jti
+    cache moved, so the client can try again once the database takes writes."""
+    store = daemon.supervisor.store
+    before = fence(daemon)
+    client = daemon.client()
+    store._conn.execute("PRAGMA query_only = ON")
+    try:
+        refusal = await rejected(client, generation=1, attempt_id="attempt-1")
+    finally:
+        store._conn.execute("PRAGMA query_only = OFF")
+    assert (refusal.status, refusal.error) == (500, "state_unavailable")
+    assert fence(daemon) == before and daemon.supervisor.status.admissions == 0
+    async with client.connect(generation=1, attempt_id="attempt-1") as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+    assert fence(daemon) == (1, "attempt-1")
+
+
+def _upgrade_head(client: ControlClient, generation: int, attempt_id: str):
+    from sandbox_supervisor.daemon.edge.http_front import HeadReader
+
+    token = client.mint(generation=generation, attempt_id=attempt_id, ack_floor=0)
+    headers = client.routing_headers(generation=generation, attempt_id=attempt_id, ack_floor=0, assertion=token)
+    lines = [
+        b"GET /v1/control HTTP/1.1", b"Host: localhost", b"Upgrade: websocket", b"Connection: Upgrade",
+        b"Sec-WebSocket-Version: 13", b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
+        *(name.encode() + b": " + value.encode() for name, value in headers),
+    ]
+    head = HeadReader().feed(b"\r\n".join(lines) + b"\r\n\r\n")
+    assert head is not None
+    return head
+
+
+@pytest.mark.parametrize(
+    "second_writer, status, code",
+    [("same_jti", 401, "invalid_authority"), ("newer_fence", 409, "stale_generation")],
+)
+def test_a_store_refusal_of_the_record_answers_as_the_gate_would(tmp_path, authority, second_writer, status, code):
+    """The store re-checks the jti and the fence inside the transaction that records them.
+    Its refusals are the peer's doing (StoreRefusal, not StoreError): 401 or 409 as the gate
+    would answer, never a 500. Reached with the real store by letting a second writer record
+    between the gate's decision and its record."""
+    from sandbox_supervisor.protocol.authority import VerifierSettings
+    from sandbox_supervisor.daemon.auth.admission import UpgradeAdmission
+    from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
+    from sandbox_supervisor.daemon.auth.keyring import KeyRing
+    from sandbox_supervisor.daemon.state.store import StateStore
+    from sandbox_supervisor.daemon.status import DaemonStatus
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    client = ControlClient(Endpoint(unix=str(tmp_path / "unused.sock")), authority, sandbox_id=layout.sandbox_id)
+    head = _upgrade_head(client, 3, "attempt-3")
+    with StateStore.open(layout.state_dir) as store:
+        daemon_status = DaemonStatus(version="test", session=None, fence_generation=0)
+        admission = UpgradeAdmission(
+            store=store,
+            keyring=KeyRing(layout.jwks_file),
+            identity=SandboxIdentity(layout.sandbox_id_file, {}),
+            status=daemon_status,
+            verifier=VerifierSettings(issuer=authority.issuer, audience=authority.audience),
+        )
+        real_record = store.record_upgrade
+
+        def second_writer_first(**record: Any) -> None:
+            if second_writer == "same_jti":
+                real_record(**record)  # the same assertion, recorded by someone else first
+            else:
+                real_record(**{**record, "generation": record["generation"] + 1, "jti": "another"})
+            real_record(**record)
+
+        store.record_upgrade = second_writer_first  # type: ignore[method-assign]
+        decision = admission.admit(head)
+        fenced = store.snapshot().fence_generation
+    assert (decision.status, decision.code) == (status, code)
+    assert daemon_status.admissions == 0 and daemon_status.fence_generation == 0  # nothing admitted here
+    assert fenced == (3 if second_writer == "same_jti" else 4)  # only the second writer's record
