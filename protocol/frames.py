@@ -40,7 +40,7 @@ from sandbox_supervisor.protocol.fields import (
     StrictModel,
     optional_field,
 )
-from sandbox_supervisor.protocol.tools import is_call_id
+from sandbox_supervisor.protocol.tools import ShellResult, is_call_id
 
 # --- kinds ---
 # Final, so each is also its Literal type: a frame model's `kind` default is the constant.
@@ -265,24 +265,6 @@ class ExecOutputEvent(ServerFrameBase):
     body: ExecOutputBody
 
 
-class StreamSummary(StrictModel):
-    bytes: Count
-    head: str
-    tail: str
-    truncated: bool  # the spool hit its cap
-
-
-class ShellResult(StrictModel):
-    """`execute_shell_command` result (docs/protocol.md §7.4.3); `exec.completed` adds `call_id`."""
-
-    exit_code: int | None
-    signal: str | None  # a name such as "SIGKILL"
-    timed_out: bool
-    duration_ms: Count
-    stdout: StreamSummary
-    stderr: StreamSummary
-
-
 class ExecCompletedBody(ShellResult):
     call_id: CallId
     interrupted: bool = False  # true when a crash cut the command (§10.2)
@@ -292,29 +274,6 @@ class ExecCompletedEvent(ServerFrameBase):
     kind: Literal["exec.completed"] = EXEC_COMPLETED
     seq: Seq
     body: ExecCompletedBody
-
-
-class PatchResult(StrictModel):
-    """`apply_file_patch` result (docs/protocol.md §7.5)."""
-
-    path: str
-    old_sha: str
-    new_sha: str
-    hunks: Count
-    bytes: Count
-
-
-class ReadFileResult(StrictModel):
-    """`read_file` result (docs/protocol.md §7.3)."""
-
-    path: str
-    sha: str
-    size: Count
-    offset: Count
-    length: Count
-    encoding: Literal["utf-8", "base64"]
-    content: str
-    eof: bool
 
 
 class ToolError(BaseModel):

@@ -48,12 +48,8 @@ EXPORTED: dict[str, Any] = {
     "ServerFrame": frames.ServerFrame,
     # tool calls (the body of a tool.call frame) and their parameters and results
     "ToolCallBody": tools.ToolCallBody,
-    "ApplyFilePatchParams": tools.ApplyFilePatchParams,
-    "ExecuteShellCommandParams": tools.ExecuteShellCommandParams,
-    "ReadFileParams": tools.ReadFileParams,
-    "PatchResult": frames.PatchResult,
-    "ReadFileResult": frames.ReadFileResult,
-    "ShellResult": frames.ShellResult,
+    **{spec.parameters.__name__: spec.parameters for spec in tools.TOOL_SPECS},
+    **{spec.result.__name__: spec.result for spec in tools.TOOL_SPECS},
     # session.bootstrap body, assertion claims
     "BootstrapBody": bootstrap.BootstrapBody,
     "AssertionClaims": authority.AssertionClaims,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, Field, StringConstraints, TypeAdapter, ValidationError
@@ -33,6 +34,13 @@ from sandbox_supervisor.protocol.fields import (
 __all__ = [
     "TOOL_NAMES",
     "TOOL_SCOPES",
+    "TOOL_SPECS",
+    "PatchResult",
+    "ReadFileResult",
+    "ShellResult",
+    "StreamSummary",
+    "ToolSpec",
+    "tool_spec",
     "ApplyFilePatchCall",
     "ApplyFilePatchParams",
     "ExecuteShellCommandCall",
@@ -49,11 +57,6 @@ __all__ = [
 
 ToolName = Literal["apply_file_patch", "execute_shell_command", "read_file"]
 TOOL_NAMES: tuple[ToolName, ...] = get_args(ToolName)
-TOOL_SCOPES: dict[str, Scope] = {
-    "apply_file_patch": "files:write",
-    "execute_shell_command": "shell:exec",
-    "read_file": "files:read",
-}
 
 MAX_COMMAND_CHARS = 16384
 MIN_TIMEOUT_MS = 1
@@ -98,6 +101,50 @@ class ReadFileParams(StrictModel):
     length: Annotated[int, Field(ge=1, le=MAX_READ_LENGTH)] | None = optional_field()
 
 
+# --- results (the `result` of an ok tool.result) ---
+
+
+class StreamSummary(StrictModel):
+    bytes: Count
+    head: str
+    tail: str
+    truncated: bool  # the spool hit its cap
+
+
+class ShellResult(StrictModel):
+    """`execute_shell_command` result (docs/protocol.md §7.4.3); `exec.completed` adds `call_id`."""
+
+    exit_code: int | None
+    signal: str | None  # a name such as "SIGKILL"
+    timed_out: bool
+    duration_ms: Count
+    stdout: StreamSummary
+    stderr: StreamSummary
+
+
+class PatchResult(StrictModel):
+    """`apply_file_patch` result (docs/protocol.md §7.5)."""
+
+    path: str
+    old_sha: str
+    new_sha: str
+    hunks: Count
+    bytes: Count
+
+
+class ReadFileResult(StrictModel):
+    """`read_file` result (docs/protocol.md §7.3)."""
+
+    path: str
+    sha: str
+    size: Count
+    offset: Count
+    length: Count
+    encoding: Literal["utf-8", "base64"]
+    content: str
+    eof: bool
+
+
 ToolParameters = ApplyFilePatchParams | ExecuteShellCommandParams | ReadFileParams
 
 
@@ -134,6 +181,37 @@ ToolCallBody = Annotated[
     ApplyFilePatchCall | ExecuteShellCommandCall | ReadFileCall, Field(discriminator="tool_name")
 ]
 _TOOL_CALL_ADAPTER: TypeAdapter[ToolCall] = TypeAdapter(ToolCallBody)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """One tool's wire declaration: its name, the scope a connection needs for it, its call,
+    parameter and result models. The daemon's runtime binds each to how it runs."""
+
+    name: ToolName
+    scope: Scope
+    call: type[ToolCall]
+    parameters: type[StrictModel]
+    result: type[StrictModel]
+
+
+# Every tool, once. A new tool adds its models above, its name to ToolName and its call
+# class to ToolCallBody (static types need both spelled out; tests/test_registry.py holds
+# them equal to this table), and one entry here.
+TOOL_SPECS: tuple[ToolSpec, ...] = (
+    ToolSpec("apply_file_patch", "files:write", ApplyFilePatchCall, ApplyFilePatchParams, PatchResult),
+    ToolSpec("execute_shell_command", "shell:exec", ExecuteShellCommandCall, ExecuteShellCommandParams, ShellResult),
+    ToolSpec("read_file", "files:read", ReadFileCall, ReadFileParams, ReadFileResult),
+)
+TOOL_SCOPES: dict[str, Scope] = {spec.name: spec.scope for spec in TOOL_SPECS}
+
+
+def tool_spec(name: str) -> ToolSpec:
+    """The spec of a tool the protocol defines (KeyError for any other name)."""
+    return _SPECS_BY_NAME[name]
+
+
+_SPECS_BY_NAME: dict[str, ToolSpec] = {spec.name: spec for spec in TOOL_SPECS}
 
 
 class ToolCallError(ValueError):

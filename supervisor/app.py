@@ -225,8 +225,9 @@ def write_listening_file(state_dir: Path, bound: BoundListeners) -> None:
     os.replace(tmp, path)
 
 
-async def _watch_signals(daemon: Daemon) -> None:
+async def _watch_signals(daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        task_status.started()  # from here a SIGTERM is a graceful stop, not the default kill
         async for signum in signals:
             if signum == signal.SIGHUP:
                 daemon.keyring.reload(reason="sighup")
@@ -274,12 +275,15 @@ async def run_supervisor(
         except ActivationError as exc:
             raise StartupError(str(exc)) from None
         try:
-            write_listening_file(config.paths.state_dir, bound)
             async with trio.open_nursery() as nursery:
                 start_runtime(daemon, nursery)
                 if handle_signals:
-                    nursery.start_soon(_watch_signals, daemon)
+                    await nursery.start(_watch_signals, daemon)
                 await nursery.start(serve, bound.listeners, DaemonFront(daemon), config.websocket.max_handshakes)
+                # Published once the daemon is ready (what READY=1 says): a script that waits
+                # for the file and then sends SIGTERM gets a graceful stop, never the default
+                # handler's kill before the signal watcher is installed.
+                write_listening_file(config.paths.state_dir, bound)
                 log.info("supervisor.ready", tcp=bound.tcp, unix=bound.unix, version=daemon.status.version)
                 notifier.notify("READY=1", "STATUS=serving")
                 interval = watchdog_interval_s(env)

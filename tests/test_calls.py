@@ -9,19 +9,14 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from pydantic import BaseModel, ConfigDict
 
-from sandbox_supervisor.protocol.tools import TOOL_SCOPES, ReadFileParams
+from sandbox_supervisor.protocol.tools import TOOL_SCOPES, tool_spec
 from sandbox_supervisor.daemon.runtime.calls import CallContext, CallRunner
 from sandbox_supervisor.daemon.runtime.tool import RunningCall, Tool
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
 
 FIRST, SECOND = "6f1c1d2e-0000-4000-8000-000000000001", "6f1c1d2e-0000-4000-8000-000000000002"
-
-
-class Anything(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 def call(call_id: str, key: str | None = None) -> dict[str, Any]:
@@ -55,7 +50,7 @@ async def run_calls(tmp_path, tool: Tool, *bodies: dict[str, Any]) -> tuple[list
 
 
 def unencodable(running: RunningCall) -> dict[str, Any]:
-    # Valid for its (permissive) model, but not JSON: a lone surrogate cannot be UTF-8.
+    # Not JSON: a lone surrogate cannot be UTF-8.
     return {"text": "\udcff"} if running.call.call_id == FIRST else {"text": "fine"}
 
 
@@ -64,7 +59,7 @@ async def test_a_result_the_encoder_refuses_is_answered_internal_and_the_session
     async def run(running: RunningCall) -> dict[str, Any]:
         return unencodable(running)
 
-    tool = Tool("read_file", ReadFileParams, Anything, run=run, run_now=unencodable if path == "inline" else None)
+    tool = Tool(tool_spec("read_file"), run=run, run_now=unencodable if path == "inline" else None)
     results, replies = await run_calls(tmp_path, tool, call(FIRST, "k1"), call(SECOND, "k2"))
     assert [(r["call_id"], r["ok"]) for r in results] == [(FIRST, False), (SECOND, True)]
     assert results[0]["error"]["code"] == "internal" and replies == []

@@ -46,11 +46,7 @@ NON_FRAME_EXAMPLES: dict[str, Callable[[str], object]] = {
     "AssertionClaims": authority.AssertionClaims.model_validate_json,
     "JWKS": authority.load_jwks,
 }
-RESULT_MODELS = {
-    "read_file": frames.ReadFileResult,
-    "apply_file_patch": frames.PatchResult,
-    "execute_shell_command": frames.ShellResult,
-}
+RESULT_MODELS = {spec.name: spec.result for spec in tools.TOOL_SPECS}
 
 
 # --- reading markdown ------------------------------------------------------------------------

@@ -13,41 +13,8 @@ from pydantic import ValidationError
 
 from sandbox_supervisor.protocol import PROTOCOL_VERSION
 from sandbox_supervisor.protocol.errors import INVALID_FRAME, UNKNOWN_KIND
-from sandbox_supervisor.protocol.frames import (
-    CLIENT_KINDS,
-    BootstrapRejectedBody,
-    BootstrapRejectedFrame,
-    ErrorBody,
-    ErrorFrame,
-    EventsAckFrame,
-    ExecCompletedBody,
-    ExecCompletedEvent,
-    ExecContext,
-    ExecOutputBody,
-    ExecOutputEvent,
-    ExecOutputPageBody,
-    ExecOutputPageFrame,
-    ExecReadOutputFrame,
-    ExecSignalFrame,
-    ExecStartedBody,
-    ExecStartedEvent,
-    FrameError,
-    RuntimeStateBody,
-    RuntimeStateFrame,
-    SessionBootstrapFrame,
-    StreamSummary,
-    ToolCallFrame,
-    ToolError,
-    ToolPendingBody,
-    ToolPendingFrame,
-    ToolReplayedBody,
-    ToolReplayedFrame,
-    ToolResultBody,
-    ToolResultEvent,
-    decode_client_frame,
-    decode_server_frame,
-    encode_frame,
-)
+from sandbox_supervisor.protocol.frames import CLIENT_KINDS, BootstrapRejectedBody, BootstrapRejectedFrame, ErrorBody, ErrorFrame, EventsAckFrame, ExecCompletedBody, ExecCompletedEvent, ExecContext, ExecOutputBody, ExecOutputEvent, ExecOutputPageBody, ExecOutputPageFrame, ExecReadOutputFrame, ExecSignalFrame, ExecStartedBody, ExecStartedEvent, FrameError, RuntimeStateBody, RuntimeStateFrame, SessionBootstrapFrame, ToolCallFrame, ToolError, ToolPendingBody, ToolPendingFrame, ToolReplayedBody, ToolReplayedFrame, ToolResultBody, ToolResultEvent, decode_client_frame, decode_server_frame, encode_frame
+from sandbox_supervisor.protocol.tools import StreamSummary
 from sandbox_supervisor.protocol.headers import MAX_SAFE_INTEGER
 from sandbox_supervisor.testing.fuzzing import fuzz_settings
 

@@ -296,13 +296,8 @@ async def test_a_refusal_kept_unjournaled_frees_the_key_when_it_returns(tmp_path
     from sandbox_supervisor.daemon.state.journal import Journal
     from sandbox_supervisor.daemon.runtime.calls import CallContext, CallRunner
     from sandbox_supervisor.daemon.runtime.failures import ToolFailure
-    from pydantic import BaseModel
-
     from sandbox_supervisor.daemon.runtime.tool import Tool
-    from sandbox_supervisor.protocol.tools import ReadFileParams
-
-    class Ran(BaseModel):  # this fake tool's result
-        ran: str
+    from sandbox_supervisor.protocol.tools import tool_spec
     from sandbox_supervisor.daemon.state.store import StateStore, StoreError
 
     busy = {"refuse": True}
@@ -333,7 +328,7 @@ async def test_a_refusal_kept_unjournaled_frees_the_key_when_it_returns(tmp_path
             raise StoreError("database or disk is full")
         monkeypatch.setattr(store, "release_call", refuse_once)
         async with trio.open_nursery() as nursery:
-            runner = CallRunner(store, journal, nursery, {"read_file": Tool("read_file", ReadFileParams, Ran, run=tool)})
+            runner = CallRunner(store, journal, nursery, {"read_file": Tool(tool_spec("read_file"), run=tool)})
             await runner.submit(call(first), context, reply)
             await trio.testing.wait_all_tasks_blocked()
             assert [r["kind"] for r in replies] == ["error"] and journal.last_seq == 0

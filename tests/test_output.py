@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sandbox_supervisor.protocol.frames import ExecOutputBody, StreamSummary
+from sandbox_supervisor.protocol.frames import ExecOutputBody
+from sandbox_supervisor.protocol.tools import StreamSummary
 from sandbox_supervisor.daemon.runtime.output import (
     HEAD_TAIL_BYTES,
     LiveOutput,

@@ -18,7 +18,8 @@ from sandbox_supervisor.protocol.errors import (
     INVALID_PARAMETERS,
     PATCH_DOES_NOT_APPLY,
 )
-from sandbox_supervisor.protocol.frames import PatchResult, ToolError
+from sandbox_supervisor.protocol.frames import ToolError
+from sandbox_supervisor.protocol.tools import PatchResult
 from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
 from sandbox_supervisor.daemon.runtime import patch as patch_module
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sandbox_supervisor.protocol.errors import INVALID_PARAMETERS, NOT_FOUND
-from sandbox_supervisor.protocol.frames import ReadFileResult
+from sandbox_supervisor.protocol.tools import ReadFileResult
 from sandbox_supervisor.protocol.tools import MAX_READ_LENGTH, ReadFileParams
 from sandbox_supervisor.daemon.runtime import files as files_module
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure

@@ -83,7 +83,7 @@ class StreamOutput:
         return kept
 
     def summary_body(self) -> dict[str, Any]:
-        """protocol.frames.StreamSummary; truncated when the spool did not keep every byte."""
+        """protocol.tools.StreamSummary; truncated when the spool did not keep every byte."""
         return self.summary.summary(truncated=self.spool.truncated)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
-from sandbox_supervisor.protocol.frames import ReadFileResult
+from sandbox_supervisor.protocol.tools import ReadFileResult
 from sandbox_supervisor.protocol.tools import MAX_READ_LENGTH, ReadFileParams
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
 

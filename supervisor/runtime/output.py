@@ -243,7 +243,7 @@ class StreamHeadTail:
             del self._tail[: max(0, len(self._tail) - self._tail_keep)]
 
     def summary(self, *, truncated: bool) -> dict[str, Any]:
-        """protocol.frames.StreamSummary; `truncated` is the spool's (it hit its cap)."""
+        """protocol.tools.StreamSummary; `truncated` is the spool's (it hit its cap)."""
         if self._total <= self._limit:
             return {
                 "bytes": self._total,

@@ -60,7 +60,7 @@ import structlog
 from structlog.typing import FilteringBoundLogger
 
 from sandbox_supervisor.protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY
-from sandbox_supervisor.protocol.frames import PatchResult
+from sandbox_supervisor.protocol.tools import PatchResult
 from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.files import open_regular_file

@@ -2,8 +2,9 @@
 
 Each module declares `NAME`, `bind(services) -> Tool` (how it runs) and `recover` (how a call
 it left pending is completed after a crash, or None: reported interrupted, never re-run).
-Adding a tool: its wire models and scope in `protocol.tools`, its module under runtime/tools/, one line in
-`TOOL_MODULES`, and its section in docs/protocol.md.
+Adding a tool: its wire half in `protocol/tools.py` (models, the ToolName and ToolCallBody
+entries, one TOOL_SPECS row; the JSON Schemas and docs/codes.md follow from them), its module
+under runtime/tools/, one line in `TOOL_MODULES`, and its section in docs/protocol.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """What a tool is to the daemon, and what a running call carries (docs/protocol.md §7).
 
-A tool is one module under `runtime/tools/` that declares its name and models (the wire half
-lives in `protocol.tools`, which clients and the JSON Schemas are generated from), how it runs,
-and how a call it left pending is completed after a crash; `runtime/registry.py` lists
-the modules. This module is the interface between them and the call runner, so neither
+A tool has two halves. Its wire declaration (name, scope, call, parameter and result models:
+`protocol.tools.TOOL_SPECS`) lives in the protocol, which clients and the JSON Schemas are
+generated from without the daemon. Its runtime half is one module under `runtime/tools/`: how
+it runs, and how a call it left pending is completed after a crash; `runtime/registry.py`
+lists the modules. This module is the interface between them and the call runner, so neither
 imports the other.
 """
 
@@ -15,10 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import trio
-from pydantic import BaseModel
 
 from sandbox_supervisor.protocol import errors
-from sandbox_supervisor.protocol.tools import TOOL_SCOPES, ToolCall
+from sandbox_supervisor.protocol.tools import ToolCall, ToolSpec
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 
 # Sends one encoded, non-journaled frame to the socket that sent a call.
@@ -110,15 +110,20 @@ class ToolModule(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Tool:
-    name: str
-    params: type[BaseModel]
-    result: type[BaseModel]
+    """A tool as the runtime runs it: the protocol's declaration (name, scope, models) bound
+    to how it runs."""
+
+    spec: ToolSpec
     run: Run
     run_now: RunNow | None = None
 
     @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
     def scope(self) -> str:
-        return TOOL_SCOPES[self.name]
+        return self.spec.scope
 
 
 def result_body(

@@ -13,8 +13,7 @@ from typing import Any
 
 import trio
 
-from sandbox_supervisor.protocol.frames import PatchResult
-from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
+from sandbox_supervisor.protocol.tools import ApplyFilePatchParams, tool_spec
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
 from sandbox_supervisor.daemon.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
 from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
@@ -37,7 +36,7 @@ def bind(services: ToolServices) -> Tool:
     async def run(running: RunningCall) -> dict[str, Any]:
         return await apply(running, services)
 
-    return Tool(NAME, ApplyFilePatchParams, PatchResult, run=run)
+    return Tool(tool_spec(NAME), run=run)
 
 
 async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_supervisor.protocol.fields import STREAMS
-from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, ShellResult
-from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams
+from sandbox_supervisor.protocol.frames import EXEC_COMPLETED
+from sandbox_supervisor.protocol.tools import tool_spec
 from sandbox_supervisor.daemon.runtime.output import HEAD_TAIL_BYTES, StreamHeadTail
 from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
 from sandbox_supervisor.daemon.runtime.tool import (
@@ -38,7 +38,7 @@ def bind(services: ToolServices) -> Tool:
     async def run(running: RunningCall) -> dict[str, Any]:
         return await services.shell.execute(running)
 
-    return Tool(NAME, ExecuteShellCommandParams, ShellResult, run=run)
+    return Tool(tool_spec(NAME), run=run)
 
 
 def summarize_spooled(path: Path, truncated: bool, total: int) -> dict[str, Any]:

@@ -13,8 +13,7 @@ from typing import Any
 
 import trio
 
-from sandbox_supervisor.protocol.frames import ReadFileResult
-from sandbox_supervisor.protocol.tools import ReadFileParams
+from sandbox_supervisor.protocol.tools import ReadFileParams, tool_spec
 from sandbox_supervisor.daemon.runtime.files import read_file_result
 from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
 from sandbox_supervisor.daemon.runtime.tool import Recover, RunningCall, Tool, ToolServices
@@ -27,7 +26,7 @@ recover: Recover | None = None
 
 
 def bind(services: ToolServices) -> Tool:
-    return Tool(NAME, ReadFileParams, ReadFileResult, run=run, run_now=run_now)
+    return Tool(tool_spec(NAME), run=run, run_now=run_now)
 
 
 def run_now(running: RunningCall) -> dict[str, Any] | None:
