@@ -5,7 +5,7 @@ a JWKS file from a `LoopbackAuthority`, a unix socket and a TCP port 0 on loopba
 `make_layout`):
 
 - `in_process_daemon(layout)`: the supervisor inside the caller's trio loop (fast; the
-  `RunningDaemon` it yields also carries the `Supervisor` object, to look at its state).
+  `RunningDaemon` it yields also carries the assembled `Daemon` (`app.Daemon`), to look at its state).
 - `running_daemon(layout)`: `python -m sandbox_supervisor.daemon serve --config …` in a
   subprocess, as users start it, with its JSON log in `layout.log_file`. It yields the
   started `DaemonProcess`, and on leaving always stops it (SIGTERM, then SIGKILL if it has
