@@ -242,7 +242,7 @@ def open_state(config: SupervisorConfig) -> tuple[StateStore, KeyRing]:
     except (OSError, JwksError) as exc:
         raise StartupError(f"authority.jwks_file: {exc}") from None
     try:
-        store = StateStore.open(config.paths.state_dir)
+        store = StateStore.open(config.paths.state_dir, config.idempotency.retention())
     except (OSError, StoreError) as exc:
         raise StartupError(f"paths.state_dir: {exc}") from None
     return store, keyring

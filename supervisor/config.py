@@ -28,6 +28,11 @@ from pydantic_core import ErrorDetails
 
 from sandbox_supervisor.protocol import bootstrap
 from sandbox_supervisor.protocol.addresses import parse_host_port
+from sandbox_supervisor.daemon.state.store import (
+    DEFAULT_CALL_MAX_AGE_S,
+    DEFAULT_CALL_MAX_RESULT_BYTES,
+    CallRetention,
+)
 
 __all__ = ["parse_host_port"]  # re-exported: listen addresses are validated with it
 
@@ -193,6 +198,19 @@ class ExecConfig(_Section):
         return self
 
 
+class IdempotencyConfig(_Section):
+    """Retention of completed idempotency records (docs/protocol.md §8): a key is remembered
+    for `max_age_s` after its call completed, and while the stored results of all completed
+    calls fit in `max_result_bytes` (the oldest are forgotten first). A forgotten key runs
+    again. Pending records are never forgotten."""
+
+    max_age_s: PositiveSeconds = DEFAULT_CALL_MAX_AGE_S
+    max_result_bytes: PositiveInt = DEFAULT_CALL_MAX_RESULT_BYTES
+
+    def retention(self) -> CallRetention:
+        return CallRetention(max_age_s=self.max_age_s, max_result_bytes=self.max_result_bytes)
+
+
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -214,6 +232,7 @@ class SupervisorConfig(_Section):
     websocket: WebSocketConfig = WebSocketConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     exec: ExecConfig = ExecConfig()
+    idempotency: IdempotencyConfig = IdempotencyConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

@@ -389,3 +389,26 @@ def test_bad_bytes_and_huge_numbers_in_the_config_are_reported_not_raised(tmp_pa
     with pytest.raises(ConfigError) as caught:
         load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_PATHS__STATE_DIR": '"/tmp/a\\u0000b"'})
     assert any("NUL" in message for _, message in caught.value.problems)
+
+
+def test_idempotency_retention_defaults_and_values(tmp_path: Path) -> None:
+    """[idempotency] (docs/operations.md): 24 h and 256 MiB unless set; the daemon's store
+    gets exactly what was configured."""
+    config = load_config(None, env=REQUIRED_ENV)
+    assert (config.idempotency.max_age_s, config.idempotency.max_result_bytes) == (86400, 268435456)
+    path = write(tmp_path, MINIMAL_TOML + "[idempotency]\nmax_age_s = 3600\nmax_result_bytes = 1048576\n")
+    retention = load_config(path, env={}).idempotency.retention()
+    assert (retention.max_age_s, retention.max_result_bytes) == (3600, 1048576)
+
+
+def test_bad_idempotency_retention_values_exit_2_naming_each_key(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL_TOML + '[idempotency]\nmax_age_s = 0\nmax_result_bytes = "1 GiB"\n')
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    for key in ("idempotency.max_age_s", "idempotency.max_result_bytes"):
+        assert any(line.startswith(f"{key}: ") for line in lines), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_IDEMPOTENCY__MAX_RESULT_BYTES": "-1"})
+    assert "greater than 0" in problems_of(excinfo)["idempotency.max_result_bytes"]

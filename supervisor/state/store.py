@@ -28,7 +28,15 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+
+# Retention of completed idempotency records (docs/protocol.md §8): a key is remembered for
+# this long after its call completed …
+DEFAULT_CALL_MAX_AGE_S = 24 * 3600.0
+# … and while the stored result frames of all completed records together stay within this
+# many bytes; past it the oldest are forgotten first. Every keyed call stores its whole
+# tool.result, so without a bound a read-only holder could fill the disk with keyed reads.
+DEFAULT_CALL_MAX_RESULT_BYTES = 256 * 1024 * 1024
 
 # meta keys
 META_FENCE_GENERATION = "fence_generation"
@@ -38,6 +46,9 @@ META_ACK_FLOOR = "ack_floor"
 # The last seq ever assigned. Seqs come from here, never from max(seq), so they stay dense and
 # are never reused after pruning or a restart.
 META_LAST_SEQ = "last_seq"
+# The bytes of result_frame over all completed idempotency records, kept in the transaction
+# that changes them, so the size budget is checked without a SUM over the table per call.
+META_CALL_RESULT_BYTES = "call_result_bytes"
 
 # Process groups started for shell commands, kept until the group is gone, so that a
 # restarted daemon can kill what a crashed one left behind (docs/protocol.md §10.2).
@@ -97,6 +108,18 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         # Unreleased builds wrote version 1 before the processes table existed.
         _PROCESSES_TABLE,
     ),
+    (
+        # Retention of completed records (docs/protocol.md §8): each record's result size,
+        # an index to find the oldest completed ones, and the running total of result bytes.
+        "ALTER TABLE idempotency ADD COLUMN result_bytes INTEGER",
+        "UPDATE idempotency SET result_bytes = length(CAST(result_frame AS BLOB))"
+        " WHERE result_frame IS NOT NULL",
+        "CREATE INDEX idempotency_completed ON idempotency (completed_at)"
+        " WHERE state = 'completed'",
+        f"INSERT INTO meta (key, value) SELECT '{META_CALL_RESULT_BYTES}',"
+        " CAST(COALESCE(SUM(result_bytes), 0) AS TEXT) FROM idempotency"
+        " WHERE state = 'completed'",
+    ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -155,6 +178,19 @@ class StateSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class CallRetention:
+    """How long completed idempotency records are kept (config section [idempotency]).
+    Pending records are never pruned: crash recovery needs every one of them."""
+
+    max_age_s: float = DEFAULT_CALL_MAX_AGE_S
+    max_result_bytes: int = DEFAULT_CALL_MAX_RESULT_BYTES
+
+    def __post_init__(self) -> None:
+        if not (self.max_age_s > 0 and self.max_result_bytes > 0):
+            raise ValueError("call retention limits must be positive")
+
+
+@dataclass(frozen=True, slots=True)
 class CallRecord:
     """One idempotency record (docs/protocol.md §8)."""
 
@@ -175,9 +211,12 @@ class StateStore:
     """One connection to `<state_dir>/supervisor.sqlite3`; every public method is one
     transaction. Safe to call from one thread at a time, whichever thread that is."""
 
-    def __init__(self, conn: sqlite3.Connection, path: Path) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, path: Path, retention: CallRetention = CallRetention()
+    ) -> None:
         self._conn = conn
         self.path = path
+        self.retention = retention
         # Serialises callers if the daemon moves calls to worker threads (trio.to_thread);
         # uncontended when everything runs on the trio thread.
         self._lock = threading.RLock()  # re-entry is caught as nesting, not a deadlock
@@ -186,8 +225,10 @@ class StateStore:
     # -- lifecycle -------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, state_dir: Path) -> StateStore:
-        """Open (creating if needed) the state directory, the database file and its schema."""
+    def open(cls, state_dir: Path, retention: CallRetention = CallRetention()) -> StateStore:
+        """Open (creating if needed) the state directory, the database file and its schema;
+        completed idempotency records past `retention` are pruned at once (limits lowered
+        across a restart apply from the start)."""
         state_dir = Path(state_dir)
         path = state_dir / DB_FILENAME
         try:
@@ -206,10 +247,11 @@ class StateStore:
             )
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open state database {path}: {exc}") from exc
-        store = cls(conn, path)
+        store = cls(conn, path, retention)
         try:
             store._configure()
             store._migrate()
+            store.prune_calls()
         except BaseException:
             conn.close()
             raise
@@ -434,10 +476,19 @@ class StateStore:
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
             row = conn.execute(
-                f"SELECT {_CALL_COLUMNS} FROM idempotency WHERE key = ?", (key,)
+                f"SELECT {_CALL_COLUMNS}, completed_at, result_bytes FROM idempotency"
+                " WHERE key = ?",
+                (key,),
             ).fetchone()
             if row is not None:
-                return CallRecord(*row)
+                record = CallRecord(*row[:-2])
+                completed_at, result_bytes = row[-2:]
+                if not self._expired(record, completed_at, created_at):
+                    return record
+                # Past its retention but not pruned yet (pruning runs when calls complete):
+                # forgotten now, so whether a key is remembered never depends on when the
+                # last completion happened to prune.
+                self._forget_completed_in(conn, [(key, result_bytes)])
             conn.execute(
                 "INSERT INTO idempotency (key, tool_name, digest, call_id, state, intent_json,"
                 " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
@@ -474,13 +525,20 @@ class StateStore:
             )
             seq, frame = rows[-1]
             if key is not None:
+                size = len(frame.encode("utf-8"))
                 updated = conn.execute(
                     "UPDATE idempotency SET state = 'completed', result_seq = ?,"
-                    " result_frame = ?, completed_at = ? WHERE key = ? AND state = 'pending'",
-                    (seq, frame, created_at, key),
+                    " result_frame = ?, result_bytes = ?, completed_at = ?"
+                    " WHERE key = ? AND state = 'pending'",
+                    (seq, frame, size, created_at, key),
                 ).rowcount
                 if updated != 1:
                     raise StoreError(f"no pending call with key {key!r}")
+                total = _call_result_bytes(conn) + size
+                _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
+                # Pruned in the completion's own transaction: the budget holds after every
+                # commit, and the cost is one index seek unless something is due.
+                self._prune_calls_in(conn, created_at)
         return rows
 
     def release_call(self, key: str, result_body: dict[str, Any], *, now: float | None = None) -> list[tuple[int, str]]:
@@ -496,6 +554,17 @@ class StateStore:
             if deleted != 1:
                 raise StoreError(f"no pending call with key {key!r}")
         return rows
+
+    def prune_calls(self, *, now: float | None = None) -> int:
+        """Forget completed idempotency records past the retention (oldest first); returns
+        how many. complete_call does this on every completion; this is for opening."""
+        with self._transaction() as conn:
+            return self._prune_calls_in(conn, time.time() if now is None else now)
+
+    def call_result_bytes(self) -> int:
+        """The bytes of stored result frames over all completed records (the budgeted sum)."""
+        with self._transaction(write=False) as conn:
+            return _call_result_bytes(conn)
 
     def call_record(self, key: str) -> CallRecord | None:
         with self._transaction(write=False) as conn:
@@ -542,6 +611,53 @@ class StateStore:
 
     # -- helpers usable inside one _transaction() ------------------------------------------
 
+    def _expired(self, record: CallRecord, completed_at: float | None, now: float) -> bool:
+        return (
+            record.state == "completed"
+            and completed_at is not None
+            and completed_at <= now - self.retention.max_age_s
+        )
+
+    def _prune_calls_in(self, conn: sqlite3.Connection, now: float) -> int:
+        """Delete completed records, oldest completion first, while each is past max_age_s
+        or the total of result bytes is over max_result_bytes. Walks the partial index on
+        completed_at and stops at the first record that may stay, so a call that prunes
+        nothing costs one index seek; each record is deleted once, so the work is amortised
+        to at most one deletion per completion. Pending records are never touched."""
+        retention = self.retention
+        cutoff = now - retention.max_age_s
+        total = _call_result_bytes(conn)
+        victims: list[tuple[str, int | None]] = []
+        cursor = conn.execute(
+            "SELECT key, completed_at, result_bytes FROM idempotency"
+            " WHERE state = 'completed' ORDER BY completed_at"
+        )
+        try:
+            for key, completed_at, size in cursor:
+                if completed_at > cutoff and total <= retention.max_result_bytes:
+                    break
+                victims.append((key, size))
+                total -= size or 0
+        finally:
+            cursor.close()
+        self._forget_completed_in(conn, victims)
+        return len(victims)
+
+    @staticmethod
+    def _forget_completed_in(
+        conn: sqlite3.Connection, victims: Sequence[tuple[str, int | None]]
+    ) -> None:
+        if not victims:
+            return
+        conn.executemany(
+            "DELETE FROM idempotency WHERE key = ? AND state = 'completed'",
+            [(key,) for key, _ in victims],
+        )
+        freed = sum(size or 0 for _, size in victims)
+        # Never below zero, even over a counter a hand-edited database left too low.
+        total = max(0, _call_result_bytes(conn) - freed)
+        _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
+
     @staticmethod
     def _append_events_in(
         conn: sqlite3.Connection, events: Sequence[tuple[str, dict[str, Any]]], now: float
@@ -571,6 +687,10 @@ def take_within(rows: Iterable[tuple[int, str]], max_chars: int) -> list[tuple[i
         if gathered >= max_chars:
             break
     return taken
+
+
+def _call_result_bytes(conn: sqlite3.Connection) -> int:
+    return int(_read_meta(conn, META_CALL_RESULT_BYTES).get(META_CALL_RESULT_BYTES, 0))
 
 
 def _read_meta(conn: sqlite3.Connection, *keys: str) -> dict[str, str]:
