@@ -188,7 +188,14 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     shell = ShellRuntime(
         ShellSettings.from_config(config), daemon.store, daemon.journal, nursery, telemetry=daemon.telemetry
     )
-    tools = bind_tools(ToolServices(store=daemon.store, file_write_lock=trio.Lock(), shell=shell))
+    tools = bind_tools(
+        ToolServices(
+            store=daemon.store,
+            file_write_lock=trio.Lock(),
+            shell=shell,
+            max_file_bytes=config.files.max_file_bytes,
+        )
+    )
     calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry)
     daemon.shell = shell
     daemon.runtime = Runtime(calls, shell)

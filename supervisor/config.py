@@ -193,6 +193,13 @@ class ExecConfig(_Section):
         return self
 
 
+class FilesConfig(_Section):
+    # read_file and apply_file_patch refuse a larger file (file_too_large), checked on the
+    # opened file before a byte is read: hashing or loading it would take a worker thread
+    # (or, for a patch, memory) for as long as the file is big.
+    max_file_bytes: PositiveInt = 256 * 1024 * 1024
+
+
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -214,6 +221,7 @@ class SupervisorConfig(_Section):
     websocket: WebSocketConfig = WebSocketConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     exec: ExecConfig = ExecConfig()
+    files: FilesConfig = FilesConfig()
     logging: LoggingConfig = LoggingConfig()
 
 
