@@ -22,6 +22,7 @@ PATH_OUTSIDE_WORKSPACE = "path_outside_workspace"
 NOT_FOUND = "not_found"
 BASE_SHA_MISMATCH = "base_sha_mismatch"
 PATCH_DOES_NOT_APPLY = "patch_does_not_apply"
+FILE_TOO_LARGE = "file_too_large"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 TOO_MANY_PROCESSES = "too_many_processes"
 INTERRUPTED = "interrupted"
@@ -81,6 +82,7 @@ TOOL_ERROR_CODES = frozenset(
         NOT_FOUND,
         BASE_SHA_MISMATCH,
         PATCH_DOES_NOT_APPLY,
+        FILE_TOO_LARGE,
         IDEMPOTENCY_KEY_REUSED,
         TOO_MANY_PROCESSES,
         INTERRUPTED,
@@ -190,6 +192,10 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
         "current_sha); nothing was written."
     ),
     PATCH_DOES_NOT_APPLY: "The diff does not fit the file (the error has hunk or reason); nothing was written.",
+    FILE_TOO_LARGE: (
+        "read_file or apply_file_patch: the file (or, for a patch, its result) is larger than "
+        "files.max_file_bytes (the error has size and max_bytes); nothing was read or written."
+    ),
     IDEMPOTENCY_KEY_REUSED: "The key was used before with other parameters or another tool; nothing ran.",
     TOO_MANY_PROCESSES: (
         "exec.max_processes commands are running or being spawned; nothing ran, and the key "
@@ -201,7 +207,7 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
     ),
     INTERNAL: (
         "The file system refused a read or a write, a command could not be started, a file "
-        "kept changing during read_file, or a bug (logged)."
+        "kept changing during read_file or apply_file_patch, or a bug (logged)."
     ),
 }
 

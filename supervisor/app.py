@@ -188,7 +188,14 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     shell = ShellRuntime(
         ShellSettings.from_config(config), daemon.store, daemon.journal, nursery, telemetry=daemon.telemetry
     )
-    tools = bind_tools(ToolServices(store=daemon.store, file_write_lock=trio.Lock(), shell=shell))
+    tools = bind_tools(
+        ToolServices(
+            store=daemon.store,
+            file_write_lock=trio.Lock(),
+            shell=shell,
+            max_file_bytes=config.files.max_file_bytes,
+        )
+    )
     calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry)
     daemon.shell = shell
     daemon.runtime = Runtime(calls, shell)
@@ -266,7 +273,7 @@ async def run_supervisor(
             return EXIT_TERMINATED
         # Calls a previous instance left pending are completed before anyone can connect, so
         # a reconnecting client finds exactly one result for each of them.
-        recovered = recover_pending_calls(store, config.paths.state_dir)
+        recovered = recover_pending_calls(store, config.paths.state_dir, max_file_bytes=config.files.max_file_bytes)
         if recovered:
             log.warning("calls.recovered", count=recovered)
         daemon = assemble(config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier)

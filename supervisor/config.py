@@ -211,6 +211,13 @@ class IdempotencyConfig(_Section):
         return CallRetention(max_age_s=self.max_age_s, max_result_bytes=self.max_result_bytes)
 
 
+class FilesConfig(_Section):
+    # read_file and apply_file_patch refuse a larger file (file_too_large), checked on the
+    # opened file before a byte is read: hashing or loading it would take a worker thread
+    # (or, for a patch, memory) for as long as the file is big.
+    max_file_bytes: PositiveInt = 256 * 1024 * 1024
+
+
 LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 
 
@@ -233,6 +240,7 @@ class SupervisorConfig(_Section):
     bootstrap: BootstrapConfig = BootstrapConfig()
     exec: ExecConfig = ExecConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    files: FilesConfig = FilesConfig()
     logging: LoggingConfig = LoggingConfig()
 
 

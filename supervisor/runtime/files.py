@@ -12,6 +12,9 @@ Decisions:
   large file must not be held in memory. If the file's size or mtime changes while it is
   read, the read starts over (a few times), so `sha`, `size` and `content` describe one
   version.
+- Bounded: a file over `[files] max_file_bytes` (fstat of the opened file) is
+  `file_too_large` before a byte is read; otherwise exactly the size seen at open is read
+  and hashed, never to end of file, so a file that keeps growing cannot keep a read going.
 - A missing file is `not_found`; a directory (agent.cwd included) or a special file is
   `invalid_parameters`.
 """
@@ -25,30 +28,57 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
-from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, NOT_FOUND
+from sandbox_supervisor.protocol.errors import FILE_TOO_LARGE, INTERNAL, INVALID_PARAMETERS, NOT_FOUND
 from sandbox_supervisor.protocol.tools import ReadFileResult
 from sandbox_supervisor.protocol.tools import MAX_READ_LENGTH, ReadFileParams
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
 
-__all__ = ["check_regular_file", "open_regular_file", "read_file_result"]
+__all__ = [
+    "DEFAULT_MAX_FILE_BYTES",
+    "check_regular_file",
+    "check_size",
+    "open_regular_file",
+    "read_file_result",
+]
 
 READ_CHUNK_BYTES = 1024 * 1024
 # A file rewritten while we hash it is read again; a file that never holds still is an error.
+# Each attempt reads at most the size seen when it opened the file (itself at most the
+# configured maximum), so a file that keeps changing costs a bounded amount of work.
 MAX_READ_ATTEMPTS = 3
+# The default of `[files] max_file_bytes` (README, "Configuration"); direct callers (tests,
+# tools) that do not pass the configured value get this bound, never none.
+DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
 
 
-def read_file_result(target: Path, display_path: str, params: ReadFileParams) -> dict[str, Any]:
-    """The read_file result for `target` (a jailed real path); raises ToolFailure."""
+def read_file_result(
+    target: Path,
+    display_path: str,
+    params: ReadFileParams,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    inline_max_bytes: int | None = None,
+) -> dict[str, Any] | None:
+    """The read_file result for `target` (a jailed real path); raises ToolFailure.
+
+    With `inline_max_bytes` (the fast path on the trio thread), None when the opened file is
+    larger than that, or changed while it was read: the caller goes on in a worker thread,
+    so the trio thread never reads more than `inline_max_bytes` bytes, nor twice.
+    """
     length = MAX_READ_LENGTH if params.length is None else params.length
     for _ in range(MAX_READ_ATTEMPTS):
         try:
-            read = _read_once(target, params.offset, length)
+            read = _read_once(target, params.offset, length, max_file_bytes, inline_max_bytes)
         except OSError as exc:
             raise os_failure(exc, "read") from None
         if read is not None:
             break
+        if inline_max_bytes is not None:
+            return None
     else:
         raise ToolFailure(INTERNAL, "The file kept changing while it was read.")
+    if read is _TOO_LARGE_FOR_INLINE:
+        return None
     sha, size, chunk = read
     encoding: Literal["utf-8", "base64"]
     try:
@@ -92,8 +122,26 @@ def open_regular_file(path: Path) -> tuple[BinaryIO, os.stat_result]:
     return os.fdopen(fd, "rb"), info
 
 
-def _read_once(target: Path, offset: int, length: int) -> tuple[str, int, bytes] | None:
-    """(git blob sha, size, bytes of the range), or None when the file changed meanwhile."""
+def check_size(info: os.stat_result, max_file_bytes: int) -> None:
+    """Refuse a file over the configured maximum, from the opened file's fstat: before a
+    byte is read or hashed, so a huge (or sparse) file costs nothing."""
+    if info.st_size > max_file_bytes:
+        raise ToolFailure(
+            FILE_TOO_LARGE,
+            f"The file is {info.st_size} bytes; the limit is {max_file_bytes} bytes.",
+            {"size": info.st_size, "max_bytes": max_file_bytes},
+        )
+
+
+# _read_once's answer (compared by identity) for a file the fast path leaves to a thread.
+_TOO_LARGE_FOR_INLINE: tuple[str, int, bytes] = ("", -1, b"")
+
+
+def _read_once(
+    target: Path, offset: int, length: int, max_file_bytes: int, inline_max_bytes: int | None
+) -> tuple[str, int, bytes] | None:
+    """(git blob sha, size, bytes of the range), None when the file changed meanwhile, or
+    _TOO_LARGE_FOR_INLINE."""
     try:
         opened, before = open_regular_file(target)
     except FileNotFoundError:
@@ -102,12 +150,17 @@ def _read_once(target: Path, offset: int, length: int) -> tuple[str, int, bytes]
         raise ToolFailure(NOT_FOUND, "A parent of the path is not a directory.") from None
     with opened as file:
         size = before.st_size
+        check_size(before, max_file_bytes)
+        if inline_max_bytes is not None and size > inline_max_bytes:
+            return _TOO_LARGE_FOR_INLINE
         # The git blob header needs the size first; what is read is checked against it.
         digest = hashlib.sha1(b"blob %d\0" % size)
         wanted_end = min(offset + length, size)
         parts: list[bytes] = []
         position = 0
-        while chunk := file.read(READ_CHUNK_BYTES):
+        # Exactly the size seen at open, never to end of file: a file that an agent keeps
+        # extending would otherwise keep the read (and, on the fast path, the daemon) going.
+        while position < size and (chunk := file.read(min(READ_CHUNK_BYTES, size - position))):
             digest.update(chunk)
             chunk_end = position + len(chunk)
             if chunk_end > offset and position < wanted_end:
@@ -117,3 +170,4 @@ def _read_once(target: Path, offset: int, length: int) -> tuple[str, int, bytes]
     if position != size or (after.st_size, after.st_mtime_ns) != (size, before.st_mtime_ns):
         return None
     return digest.hexdigest(), size, b"".join(parts)
+

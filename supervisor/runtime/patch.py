@@ -54,16 +54,27 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import structlog
 from structlog.typing import FilteringBoundLogger
 
-from sandbox_supervisor.protocol.errors import BASE_SHA_MISMATCH, INVALID_PARAMETERS, PATCH_DOES_NOT_APPLY
+from sandbox_supervisor.protocol.errors import (
+    BASE_SHA_MISMATCH,
+    FILE_TOO_LARGE,
+    INTERNAL,
+    INVALID_PARAMETERS,
+    PATCH_DOES_NOT_APPLY,
+)
 from sandbox_supervisor.protocol.tools import PatchResult
 from sandbox_supervisor.protocol.tools import ApplyFilePatchParams
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
-from sandbox_supervisor.daemon.runtime.files import open_regular_file
+from sandbox_supervisor.daemon.runtime.files import (
+    DEFAULT_MAX_FILE_BYTES,
+    READ_CHUNK_BYTES,
+    check_size,
+    open_regular_file,
+)
 from sandbox_supervisor.daemon.state.fsutil import fsync_directory
 
 log: FilteringBoundLogger = structlog.get_logger("supervisor.patch")
@@ -99,6 +110,8 @@ TEMP_RANDOM_BYTES = 8
 # At most 4 bytes a char in UTF-8: 32 chars keep a temp name far below NAME_MAX.
 TEMP_NAME_CHARS = 32
 PRIVATE_TEMP_MODE = 0o600
+# The base sha is hashed in chunks of this size, the file loaded only once it matches.
+HASH_CHUNK_BYTES = READ_CHUNK_BYTES
 
 _DEV_NULL = b"/dev/null"
 _NEWLINE = b"\n"
@@ -399,8 +412,9 @@ def _parse_hunk(lines: list[bytes], i: int, index: int) -> tuple[_Hunk, int]:
 # --- the file system part -----------------------------------------------------------------
 
 
-def _read_regular(path: Path) -> tuple[bytes, int] | None:
-    """(bytes, permission bits) of a regular file; None when nothing is there."""
+def _open_target(path: Path, max_file_bytes: int) -> tuple[BinaryIO, os.stat_result] | None:
+    """The opened regular file and its fstat, None when nothing is there; file_too_large
+    (from the opened file's fstat, before a byte is read) over `max_file_bytes`."""
     try:
         opened, info = open_regular_file(path)
     except FileNotFoundError:
@@ -408,8 +422,30 @@ def _read_regular(path: Path) -> tuple[bytes, int] | None:
         return None
     except NotADirectoryError:
         raise PatchError(INVALID_PARAMETERS, "A parent of the path is not a directory.") from None
-    with opened as file:
-        return file.read(), stat.S_IMODE(info.st_mode)
+    try:
+        check_size(info, max_file_bytes)
+    except BaseException:
+        opened.close()
+        raise
+    return opened, info
+
+
+def _changed_while_read() -> ToolFailure:
+    return ToolFailure(INTERNAL, "The file changed while it was read; nothing was written.")
+
+
+def _hash_from_start(file: BinaryIO, size: int) -> str:
+    """Git blob sha of the first `size` bytes, streamed: memory stays at one chunk, and the
+    read stops at `size` even if the file keeps growing."""
+    digest = hashlib.sha1(b"blob %d\0" % size)
+    remaining = size
+    while remaining:
+        chunk = file.read(min(HASH_CHUNK_BYTES, remaining))
+        if not chunk:
+            raise _changed_while_read()  # it shrank: the size no longer describes it
+        digest.update(chunk)
+        remaining -= len(chunk)
+    return digest.hexdigest()
 
 
 def _check_creatable(path: Path) -> None:
@@ -421,21 +457,48 @@ def _check_creatable(path: Path) -> None:
             return
 
 
-def current_sha(path: Path) -> str:
-    """Git blob sha of the file at `path`; ZERO_SHA when there is none (crash recovery)."""
-    found = _read_regular(path)
-    return ZERO_SHA if found is None else git_blob_sha(found[0])
+def current_sha(path: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> str:
+    """Git blob sha of the file at `path`; ZERO_SHA when there is none (crash recovery).
+    Streamed, never loaded; file_too_large over `max_file_bytes`."""
+    found = _open_target(path, max_file_bytes)
+    if found is None:
+        return ZERO_SHA
+    opened, info = found
+    with opened as file:
+        return _hash_from_start(file, info.st_size)
 
 
-def plan_patch(target: Path, display_path: str, params: ApplyFilePatchParams) -> PatchPlan:
+def plan_patch(
+    target: Path,
+    display_path: str,
+    params: ApplyFilePatchParams,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+) -> PatchPlan:
     """Decide the patch of `target` (a jailed real path); nothing is written.
 
     Raises PatchError: base_sha_mismatch (with current_sha), patch_does_not_apply,
-    invalid_parameters (malformed diff; a directory or other non-regular file at the path).
+    invalid_parameters (malformed diff; a directory or other non-regular file at the path);
+    ToolFailure: file_too_large (the file, or the patched result, is over `max_file_bytes`).
+
+    The base sha is checked by streaming the file through the hash first; the file is loaded
+    only when it matches, so a wrong-sha patch of a large file costs one chunk of memory.
     """
-    found = _read_regular(target)
-    original, mode = (None, None) if found is None else found
-    old_sha = ZERO_SHA if original is None else git_blob_sha(original)
+    found = _open_target(target, max_file_bytes)
+    original: bytes | None = None
+    mode: int | None = None
+    old_sha = ZERO_SHA
+    if found is not None:
+        opened, info = found
+        mode = stat.S_IMODE(info.st_mode)
+        with opened as file:
+            old_sha = _hash_from_start(file, info.st_size)
+            if old_sha == params.base_sha:
+                file.seek(0)
+                original = file.read(info.st_size)
+        if original is not None and git_blob_sha(original) != old_sha:
+            # Rewritten between the hash and the load: the loaded bytes are the file now.
+            old_sha = git_blob_sha(original)
     if old_sha != params.base_sha:
         raise PatchError(
             BASE_SHA_MISMATCH,
@@ -443,6 +506,14 @@ def plan_patch(target: Path, display_path: str, params: ApplyFilePatchParams) ->
             {"current_sha": old_sha},
         )
     outcome = apply_unified_diff(original, params.diff)
+    if outcome.new is not None and len(outcome.new) > max_file_bytes:
+        # The limit holds for what a patch writes too, so a later read_file can read it.
+        raise ToolFailure(
+            FILE_TOO_LARGE,
+            f"The patched file would be {len(outcome.new)} bytes; the limit is "
+            f"{max_file_bytes} bytes.",
+            {"size": len(outcome.new), "max_bytes": max_file_bytes},
+        )
     new_sha = ZERO_SHA if outcome.new is None else git_blob_sha(outcome.new)
     return PatchPlan(
         path=target,
@@ -455,7 +526,7 @@ def plan_patch(target: Path, display_path: str, params: ApplyFilePatchParams) ->
     )
 
 
-def commit_patch(plan: PatchPlan) -> None:
+def commit_patch(plan: PatchPlan, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
     """Write the plan atomically: readers see the old file or the new one, never a mix.
 
     The file is checked once more against plan.old_sha right before writing, which narrows
@@ -466,7 +537,7 @@ def commit_patch(plan: PatchPlan) -> None:
     temp file's creation and the rename leaves a `.<name>.<random>.patch-tmp` file behind,
     never a half-written target.
     """
-    now = current_sha(plan.path)
+    now = current_sha(plan.path, max_file_bytes=max_file_bytes)
     if now != plan.old_sha:
         raise PatchError(
             BASE_SHA_MISMATCH,

@@ -15,6 +15,7 @@ import structlog
 from sandbox_supervisor.protocol.fields import STREAMS
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
+from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.tool import Recovered, RecoveryEnv, interrupted, result_body
 from sandbox_supervisor.daemon.runtime.registry import recoverers
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
@@ -46,11 +47,11 @@ def _not_finished(record: CallRecord) -> Recovered:
     return Recovered(result_body(record.call_id, record.key, record.tool_name, error=interrupted(NOT_FINISHED_MESSAGE)))
 
 
-def recover_pending_calls(store: StateStore, state_dir: Path) -> int:
+def recover_pending_calls(store: StateStore, state_dir: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> int:
     """Complete every pending call; returns how many. Groups are killed first, so an
     interrupted command's spool no longer grows while it is summarised."""
     kill_leftover_groups(store, state_dir)
-    env = RecoveryEnv(store, state_dir)
+    env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes)
     by_tool = recoverers()
     completed = 0
     for record in store.pending_calls():

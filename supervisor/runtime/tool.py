@@ -19,6 +19,7 @@ import trio
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.tools import ToolCall, ToolSpec
+from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 
 # Sends one encoded, non-journaled frame to the socket that sent a call.
@@ -62,6 +63,14 @@ class CommandService(Protocol):
     async def execute(self, running: RunningCall) -> dict[str, Any]: ...
 
 
+# Worker threads each kind of file work may hold at once. Separate limiters, not trio's
+# default one (shared by every to_thread call): slow reads can fill theirs, but never take
+# the thread a patch (or the state store) needs. Patches are serialised by file_write_lock
+# anyway, so one thread is all they can use.
+READ_THREADS = 4
+PATCH_THREADS = 1
+
+
 @dataclass(frozen=True, slots=True)
 class ToolServices:
     """What tools run with, built once by the app."""
@@ -71,6 +80,14 @@ class ToolServices:
     # the same file at once must not both pass the check against one base.
     file_write_lock: trio.Lock
     shell: CommandService
+    # `[files] max_file_bytes`: read_file and apply_file_patch refuse larger files.
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    read_limiter: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(READ_THREADS)
+    )
+    patch_limiter: trio.CapacityLimiter = field(
+        default_factory=lambda: trio.CapacityLimiter(PATCH_THREADS)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +96,8 @@ class RecoveryEnv:
 
     store: StateStore
     state_dir: Path
+    # Recovery re-plans and re-hashes patched files: bounded like a live patch.
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
 
 @dataclass(frozen=True, slots=True)

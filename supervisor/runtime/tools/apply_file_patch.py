@@ -3,6 +3,14 @@
 The decisions live in `paths` and `patch`; this module sequences them with the idempotency
 record: the planned result is recorded *before* the write, so after a crash the daemon can
 tell "written" from "not written" by the file's sha alone.
+
+The patch runs in a worker thread holding a token of `ToolServices.patch_limiter`, its own,
+so reads filling theirs cannot delay it. It is *not* abandoned when the call is cancelled
+(unlike a read): the thread records the planned result and then replaces the file, and an
+abandoned thread would go on doing so after the call was reported cut short and after
+`file_write_lock` was released, so a second patch of the same file could plan against the
+old base while the first still writes, and the journal would say "interrupted" of a patch
+that was applied. Waiting is bounded instead: the file is at most `[files] max_file_bytes`.
 """
 
 from __future__ import annotations
@@ -50,18 +58,21 @@ async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:
     def plan_record_commit() -> dict[str, Any]:
         # One worker-thread hop for the whole patch (reads, hashes, fsyncs): the planned
         # result is recorded with the pending call before the write, as recovery needs.
-        plan = plan_patch(target, params.path, params)
+        plan = plan_patch(target, params.path, params, max_file_bytes=services.max_file_bytes)
         if key is not None:
             record = store.call_record(key)
             intent = json.loads(record.intent_json or "{}") if record else {}
             intent.update({"target": str(plan.path), "result": plan.result()})
             store.set_call_intent(key, json.dumps(intent))
-        commit_patch(plan)
+        commit_patch(plan, max_file_bytes=services.max_file_bytes)
         return plan.result()
 
     async with services.file_write_lock:
         try:
-            return await trio.to_thread.run_sync(plan_record_commit)
+            # abandon_on_cancel stays False: see the module's docstring.
+            return await trio.to_thread.run_sync(
+                plan_record_commit, limiter=services.patch_limiter, abandon_on_cancel=False
+            )
         except OSError as exc:
             # Refused by the file system while reading or writing (the atomic write leaves
             # the old file in place): a typed answer, not a crash.
@@ -88,15 +99,15 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
         target = resolve_in_jail(intent["cwd"], params.path, tuple(allowed) if allowed is not None else None)
         planned = intent.get("result")
         if planned is not None:
-            now = current_sha(Path(intent["target"]))
+            now = current_sha(Path(intent["target"]), max_file_bytes=env.max_file_bytes)
             decision = recover_patch(now, planned["old_sha"], planned["new_sha"])
             if decision == "applied":
                 return body(result=planned)
             if decision == "interrupted":
                 return body(error=interrupted(FILE_CHANGED_MESSAGE, current_sha=now))
-        plan = plan_patch(target, params.path, params)
+        plan = plan_patch(target, params.path, params, max_file_bytes=env.max_file_bytes)
         env.store.set_call_intent(record.key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
-        commit_patch(plan)
+        commit_patch(plan, max_file_bytes=env.max_file_bytes)
         return body(result=plan.result())
     except ToolFailure as failure:
         return body(error=failure.to_error())

@@ -1,13 +1,22 @@
 """read_file (docs/protocol.md §7.3): a byte range of a jailed file, with the file's sha.
 
 Small files are read at once in the socket's own task (no worker-thread hop, no task to
-spawn); larger ones in a worker thread. A pending read_file is never re-run after a crash: it
-had no effect, and is reported interrupted like any call without a recovery.
+spawn); larger ones in a worker thread. "Small" is decided by the fstat of the opened file,
+and the fast path reads at most that many bytes, once: a file that grows or changes during
+it is handed to the worker thread, so the trio thread never waits on a file an agent keeps
+writing. A pending read_file is never re-run after a crash: it had no effect, and is
+reported interrupted like any call without a recovery.
+
+Worker-thread reads hold a token of their own limiter (`ToolServices.read_limiter`), so
+reads can fill only their own threads, never the ones a patch or the state store needs; and
+they are abandoned when the call is cancelled (a stop, SIGTERM): a read has no effect to
+finish, so nothing waits for it. The abandoned thread keeps its limiter token until it ends,
+which is soon: every read is bounded by `[files] max_file_bytes`.
 """
 
 from __future__ import annotations
 
-import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +35,32 @@ recover: Recover | None = None
 
 
 def bind(services: ToolServices) -> Tool:
-    return Tool(tool_spec(NAME), run=run, run_now=run_now)
+    # services is read when a call runs, not here: binding needs nothing from it.
 
+    def run_now(running: RunningCall) -> dict[str, Any] | None:
+        """The result of a small file at once (or its typed failure), None for a file worth
+        a worker thread."""
+        target, params = _target(running)
+        return read_file_result(
+            target,
+            params.path,
+            params,
+            max_file_bytes=services.max_file_bytes,
+            inline_max_bytes=INLINE_READ_MAX_BYTES,
+        )
 
-def run_now(running: RunningCall) -> dict[str, Any] | None:
-    """The result of a small file at once (or its typed failure), None for a file worth a
-    worker thread."""
-    target, params = _target(running)
-    return _read_if_small(target, params)
-
-
-async def run(running: RunningCall) -> dict[str, Any]:
-    target, params = _target(running)
-    result = _read_if_small(target, params)  # the file shrank since the fast path passed it on
-    if result is not None:
+    async def run(running: RunningCall) -> dict[str, Any]:
+        target, params = _target(running)
+        read = partial(
+            read_file_result, target, params.path, params, max_file_bytes=services.max_file_bytes
+        )
+        result = await trio.to_thread.run_sync(
+            read, limiter=services.read_limiter, abandon_on_cancel=True
+        )
+        assert result is not None  # without inline_max_bytes, a result or a ToolFailure
         return result
-    return await trio.to_thread.run_sync(read_file_result, target, params.path, params)
+
+    return Tool(tool_spec(NAME), run=run, run_now=run_now)
 
 
 def _target(running: RunningCall) -> tuple[Path, ReadFileParams]:
@@ -49,13 +68,3 @@ def _target(running: RunningCall) -> tuple[Path, ReadFileParams]:
     assert isinstance(params, ReadFileParams)
     ctx = running.context
     return resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths), params
-
-
-def _read_if_small(target: Path, params: ReadFileParams) -> dict[str, Any] | None:
-    try:
-        size = os.stat(target).st_size
-    except OSError:
-        size = 0  # read_file_result reports the precise error
-    if size <= INLINE_READ_MAX_BYTES:
-        return read_file_result(target, params.path, params)
-    return None
