@@ -179,7 +179,8 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
     ),
     FORBIDDEN: (
         "The connection lacks the tool's scope, or the allowed_commands guard refused the "
-        "command line (the error then has command)."
+        "command line or an environment variable (the error then has command, and variable "
+        "for an environment variable)."
     ),
     PATH_OUTSIDE_WORKSPACE: (
         "The path, or the shell's cwd, resolves outside agent.cwd or outside the assertion's "
