@@ -99,7 +99,11 @@ BOOTSTRAP_REJECTION_CODES = frozenset(
 # with two meanings. The order of each table is the order of docs/codes.md.
 
 HTTP_ERROR_MEANINGS: dict[str, str] = {
-    BAD_REQUEST: "The bytes are not an HTTP/1.x request head (an HTTP/1.1 request without Host included).",
+    BAD_REQUEST: (
+        "The bytes are not an HTTP/1.x request head (an HTTP/1.1 request without Host included), "
+        "or an upgrade of the control path carries a body (Transfer-Encoding, or a Content-Length "
+        "other than 0) or has a line ending in a bare LF."
+    ),
     NOT_FOUND_ROUTE: (
         "No such route: another path or method, HEAD, the health path with an Upgrade: websocket "
         "token, or the metrics path while metrics are disabled."
@@ -177,7 +181,8 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
     ),
     FORBIDDEN: (
         "The connection lacks the tool's scope, or the allowed_commands guard refused the "
-        "command line (the error then has command)."
+        "command line or an environment variable (the error then has command, and variable "
+        "for an environment variable)."
     ),
     PATH_OUTSIDE_WORKSPACE: (
         "The path, or the shell's cwd, resolves outside agent.cwd or outside the assertion's "

@@ -117,7 +117,7 @@ NAMED = [
     ("(cd sub && make) > out", ["cd", "make"]),
     ("{ make; git status; } 2>&1", ["make", "git"]),
     ("! grep -q x f && make", ["grep", "make"]),
-    ("if [[ -f x && $y < 3 ]]; then make; else cargo build; fi", ["make", "cargo"]),
+    ("if [ -f x ] && [ $y -lt 3 ]; then make; else cargo build; fi", ["[", "[", "make", "cargo"]),
     ("if test -f x; then make; fi", ["test", "make"]),
     ("for f in a b; do pytest $f; done", ["pytest"]),
     ("while read -r l; do echo $l; done < f", ["read", "echo"]),
@@ -145,7 +145,7 @@ REFUSED = [
     ("echo ${ rm x; }", None),
     ('echo "$\\\n(rm x)"', None),
     ("cat <<EOF\n$(rm -rf /)\nEOF", None),
-    ("[[ -n $(rm x) ]]", None),
+    ("[[ -n $(rm x) ]]", "[["),
     ("diff <(ls a) <(ls b)", None),
     ("tee >(rm x)", None),
     # what the guard does not read
@@ -176,7 +176,7 @@ REFUSED = [
     ("make)", None),
     ("make >", None),
     ("cat <<", None),
-    ("[[ -f x", None),
+    ("[[ -f x", "[["),
 ]
 
 
@@ -280,7 +280,7 @@ def test_check_allowed_raises_only_forbidden(command: str, allowed: list[str]) -
         check_allowed(command, allowed)
     except ToolFailure as failure:
         assert failure.code == FORBIDDEN
-        assert set(failure.details) == {"command"}
+        assert set(failure.details) in ({"command"}, {"command", "variable"})
 
 
 # --- against bash itself: nothing runs that the guard did not name ---

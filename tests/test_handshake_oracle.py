@@ -32,6 +32,7 @@ from sandbox_supervisor.daemon.edge.http_front import (
     HeadTooLarge,
     MalformedHead,
     RequestHead,
+    upgrade_framing_defect,
     Route,
     RoutePaths,
     classify,
@@ -106,6 +107,10 @@ STRICTER_THAN_WSPROTO: dict[str, Callable[[RequestHead], bool]] = {
     ),
     "key not a nonce": _key_is_not_a_nonce,
     "control byte around the upgrade token": _upgrade_token_only_after_str_strip,
+    # A body (Transfer-Encoding, Content-Length other than 0) would be replayed to wsproto
+    # as the first frames, bytes a proxy framed as HTTP body; bare-LF lines may be split
+    # differently by an intermediary. wsproto (h11) takes both; we answer 400.
+    "ambiguous framing": lambda head: upgrade_framing_defect(head) is not None,
 }
 # The head is over MAX_REQUEST_HEAD_BYTES: h11 (and so wsproto) caps only a head that is
 # still incomplete, so one that arrives whole in a single read passes it; we cap every head.
@@ -212,9 +217,16 @@ def request_heads(draw: st.DrawFn) -> bytes:
     if draw(st.integers(0, 19)) == 0:  # now and then, a head over MAX_REQUEST_HEAD_BYTES
         headers.append((b"X-Padding", b"p" * draw(st.sampled_from([15 * 1024, MAX_REQUEST_HEAD_BYTES]))))
     headers = draw(st.permutations(headers))
+    # Now and then, a body announced (or Content-Length: 0, which is allowed).
+    framing = draw(st.sampled_from([None] * 12 + [b"Content-Length: 0", b"Content-Length: 4", b"Transfer-Encoding: chunked"]))
     lines = [method + b" " + target + b" " + version]
     lines += [name + b": " + value for name, value in headers]
-    return b"\r\n".join(lines) + b"\r\n\r\n"
+    if framing is not None:
+        lines.insert(draw(st.integers(1, len(lines))), framing)
+    # Now and then, a line (or every line) ending in a bare LF.
+    ends = draw(st.sampled_from(["crlf"] * 12 + ["one bare lf", "all bare lf"]))
+    bare = set(range(len(lines))) if ends == "all bare lf" else {draw(st.integers(0, len(lines) - 1))} if ends == "one bare lf" else set()
+    return b"".join(line + (b"\n" if at in bare else b"\r\n") for at, line in enumerate(lines)) + b"\r\n"
 
 
 VALID = (
@@ -243,6 +255,9 @@ def _with(line: bytes, replaced: bytes | None = None) -> bytes:
 @example(raw=_with(b"Sec-WebSocket-Key:", b"Sec-WebSocket-Key: " + KEY))  # stricter: empty key
 @example(raw=_with(b"Connection: Upgrade\x1c", b"Connection: Upgrade"))  # stricter: str.strip()
 @example(raw=_with(b"X-Padding: " + b"p" * MAX_REQUEST_HEAD_BYTES))  # stricter: size
+@example(raw=_with(b"Content-Length: 4"))  # stricter: framing
+@example(raw=_with(b"Content-Length: 0"))  # allowed: no body
+@example(raw=VALID.replace(b"\r\n", b"\n"))  # stricter: framing
 def test_our_handshake_check_agrees_with_wsproto(raw: bytes) -> None:
     event(agreement(raw))
 
@@ -258,6 +273,10 @@ def test_our_handshake_check_agrees_with_wsproto(raw: bytes) -> None:
         (_with(b"Sec-WebSocket-Key: \xc3\xa9", b"Sec-WebSocket-Key: " + KEY), "key not a nonce"),
         (_with(b"Connection: keep-alive, Upgrade\x1f", b"Connection: Upgrade"), "control byte around the upgrade token"),
         (_with(b"X-Padding: " + b"p" * MAX_REQUEST_HEAD_BYTES), HEAD_TOO_LARGE),
+        (_with(b"Content-Length: 4"), "ambiguous framing"),
+        (_with(b"Transfer-Encoding: chunked"), "ambiguous framing"),
+        (VALID.replace(b"\r\n", b"\n"), "ambiguous framing"),
+        (VALID.replace(b"Upgrade: websocket\r\n", b"Upgrade: websocket\n"), "ambiguous framing"),
     ],
 )
 def test_each_deliberate_strictness_is_real(raw: bytes, reason: str) -> None:
@@ -283,6 +302,8 @@ def test_every_single_defect_agrees_with_wsproto() -> None:
             heads.append(_head(before + [(name, value)] + after))  # changed
             heads.append(_head(before + [(name, good), (name, value)] + after))  # duplicated,
             heads.append(_head(before + [(name, value), (name, good)] + after))  # either order
+    heads += [_head(valid + [(b"content-length", b"4")]), _head(valid + [(b"content-length", b"0")])]
+    heads.append(_head(valid).replace(b"\r\n", b"\n"))
     for line in [b"POST /v1/control HTTP/1.1", b"get /v1/control HTTP/1.1", b"GET /v1/control HTTP/1.0", b"GET /v1/control?x=1 HTTP/1.1"]:
         heads.append(_head(valid, line))
     outcomes = Counter(agreement(raw) for raw in heads)

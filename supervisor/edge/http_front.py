@@ -31,6 +31,9 @@ class Route(enum.Enum):
     HEALTH = "health"
     METRICS = "metrics"
     CONTROL_UPGRADE = "control_upgrade"
+    # An upgrade of the control path whose framing is ambiguous (a body, or bare-LF lines):
+    # refused 400 before the gate, so it records nothing.
+    BAD_UPGRADE = "bad_upgrade"
     UPGRADE_REQUIRED = "upgrade_required"
     NOT_FOUND = "not_found"
 
@@ -48,6 +51,9 @@ class RequestHead:
     path: str  # the target without its query string
     headers: list[tuple[bytes, bytes]]  # lower-cased names, as h11 gives them
     http_version: bytes = b"1.1"
+    # Some line of the head ended in a bare LF instead of CRLF. h11 accepts both and hands
+    # over the same headers either way, so only the raw bytes the HeadReader kept tell.
+    bare_lf: bool = False
 
 
 class HeadTooLarge(Exception):
@@ -103,6 +109,7 @@ class HeadReader:
             path=target.decode("ascii", errors="replace"),
             headers=[(name.lower(), value) for name, value in event.headers],
             http_version=event.http_version,
+            bare_lf=has_bare_lf(self.head_bytes),
         )
 
     @property
@@ -117,6 +124,12 @@ class HeadReader:
     def head_bytes(self) -> bytes:
         raw = self.raw
         return raw[: len(raw) - len(self.trailing)]
+
+
+def has_bare_lf(head_bytes: bytes) -> bool:
+    """True when some LF in the head is not preceded by CR (RFC 9112 2.2 tolerates it; an
+    intermediary that does not may see other header lines than we do)."""
+    return head_bytes.count(b"\n") != head_bytes.count(b"\r\n")
 
 
 def _header_values(head: RequestHead, name: bytes) -> list[bytes]:
@@ -179,7 +192,30 @@ def is_valid_websocket_handshake(head: RequestHead) -> bool:
         and _ascii(key)
         and bool(key.strip())
         and all(_ascii(value) for value in decoded)
+        # Not wsproto's check but ours: see upgrade_framing_defect.
+        and upgrade_framing_defect(head) is None
     )
+
+
+def upgrade_framing_defect(head: RequestHead) -> str | None:
+    """Why an upgrade request's framing is refused (400), or None when it is sound.
+
+    An upgrade carries no body: whatever a body would hold is replayed to the WebSocket
+    library after the head and read as the peer's first frames, bytes that a proxy in front
+    of us framed as HTTP body and never inspected as WebSocket input (request smuggling).
+    So any `Transfer-Encoding`, and any `Content-Length` other than 0, is refused;
+    `Content-Length: 0` announces no body and is harmless, so it is allowed. Bare-LF line
+    endings are refused for the same reason: an intermediary that splits lines only on
+    CRLF reads other headers than we do.
+    """
+    if head.bare_lf:
+        return "bare LF line ending in the request head"
+    if _header_values(head, b"transfer-encoding"):
+        return "transfer-encoding on an upgrade request"
+    # h11 has already refused a Content-Length that is not a number, or two that differ.
+    if any(value.strip() != b"0" for value in _header_values(head, b"content-length")):
+        return "request body on an upgrade request"
+    return None
 
 
 def classify(head: RequestHead, paths: RoutePaths) -> Route:
@@ -188,6 +224,8 @@ def classify(head: RequestHead, paths: RoutePaths) -> Route:
     if paths.metrics is not None and head.method == b"GET" and head.path == paths.metrics:
         return Route.METRICS
     if head.method == b"GET" and head.path == paths.control:
+        if is_websocket_upgrade(head) and upgrade_framing_defect(head) is not None:
+            return Route.BAD_UPGRADE
         if is_valid_websocket_handshake(head):
             return Route.CONTROL_UPGRADE
         return Route.UPGRADE_REQUIRED

@@ -181,6 +181,10 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
                 ),
             )
             return
+        if route is http_front.Route.BAD_UPGRADE:
+            log.info("http.bad_request", reason=http_front.upgrade_framing_defect(head))
+            await _answer_and_close(stream, http_front.BAD_REQUEST_RESPONSE)
+            return
         if route is http_front.Route.UPGRADE_REQUIRED:
             await _answer_and_close(stream, http_front.UPGRADE_REQUIRED_RESPONSE)
             return

@@ -27,8 +27,14 @@ understood, so the agent can rewrite the line):
   other. `!` (negation) and the bash keyword `time` (with `-p`, `--`) before a pipeline are
   skipped. `((…))` is refused.
 - `if/then/elif/else/fi`, `while/until/do/done` are skipped as keywords, so the commands they
-  run are checked; `for NAME in WORDS` and `select` skip their header; `[[ … ]]` is a test, not
-  a command. `case`, `function` and `coproc` are refused: their syntax reuses `)` and `|` in
+  run are checked; `for NAME in WORDS` and `select` skip their header.
+- Arithmetic contexts are refused: arithmetic evaluation runs the command substitutions of an
+  array subscript it meets, even one written in single quotes or held in a variable
+  (`[[ 'a[$(cmd)]' -eq 0 ]]` runs cmd). So `[[ … ]]` (all of it), `((…))`, `$((…))`, `$[…]`,
+  `let`, `declare`/`typeset`/`local` (which set the integer attribute), `${name[…]}`,
+  `${name:offset:length}`, `${!name}` and `${name@…}` are refused, and so is a literal
+  subscripted name (`a[…]`) handed to a builtin that takes variable names (`read`,
+  `printf -v`, `test -v`, `unset` …, see _NAME_TAKING_BUILTINS). `case`, `function` and `coproc` are refused: their syntax reuses `)` and `|` in
   ways a word-level reader cannot follow. A function definition `f() …` is refused as well.
 - Redirections (`> f`, `>> f`, `2>&1`, `&> f`, `< f`, `<<< w`, `<< EOF` …) are stepped over
   with their target, wherever they stand in the simple command; their targets are not judged
@@ -51,6 +57,11 @@ understood, so the agent can rewrite the line):
   brace expansion is refused: `$X rm` runs rm when X is empty, `env $X` may become `env -S …`,
   `{A=1,rm}` becomes two words. Only the shell knows what those name. Arguments after the
   command name are never judged.
+- The environment a call sets (its `env`, and the bootstrap's `agent.env`) is checked too:
+  names that make bash or a common tool run code (BASH_ENV, PS4, GIT_CONFIG_*, LD_PRELOAD,
+  PATH …) are refused, per ENVIRONMENT_DENY_POLICY (see check_environment). So are the same
+  names when the line assigns them: `PATH=/tmp ls`, `env NAME=…`, `export NAME`,
+  `read NAME`, `printf -v NAME`.
 - Long wrapper options may be abbreviated (getopt_long and npm accept unique prefixes), so a
   prefix of a refused option is refused too (`env --split`).
 """
@@ -62,13 +73,20 @@ import io
 import re
 import shlex
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from sandbox_supervisor.protocol.errors import FORBIDDEN
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 
-__all__ = ["GuardRefusal", "check_allowed", "simple_command_names"]
+__all__ = [
+    "ENVIRONMENT_DENY_POLICY",
+    "GuardRefusal",
+    "check_allowed",
+    "check_environment",
+    "denied_environment_name",
+    "simple_command_names",
+]
 
 # Characters shlex returns as operator runs. The newline is one: it separates commands.
 _PUNCTUATION = "();<>|&\n"
@@ -100,6 +118,44 @@ _TIME = "time"
 _TIME_OPTIONS = ("-p", "--")
 _TEST_OPEN, _TEST_CLOSE = "[[", "]]"
 _REFUSED_KEYWORDS = frozenset({"case", "esac", "function", "coproc"})
+# Arithmetic evaluation runs the command substitutions in an array subscript it meets, even
+# one written in single quotes or held in a variable: `[[ 'a[$(cmd)]' -eq 0 ]]` and
+# `x='a[$(cmd)]'; let x` run cmd. `[[ … ]]` evaluates arithmetic for -eq/-lt/… and array
+# subscripts for -v, and which operands it evaluates depends on operators a word reader
+# cannot follow (`-eq` may come from a variable), so the whole conditional is refused; so
+# are the builtins that evaluate arithmetic or give a variable the integer attribute (after
+# which every assignment to it is evaluated). `[ … ]` and `test` compare integers without
+# evaluating them (only their -v operand is evaluated: see _NAME_TAKING_BUILTINS).
+_CONDITIONAL_REFUSED = (
+    "'[[ … ]]' evaluates its operands as arithmetic (which runs command substitutions held in "
+    "array subscripts), so the allowed_commands guard refuses it; use '[ … ]' or 'test'."
+)
+_ARITHMETIC_BUILTINS = frozenset({"let", "declare", "typeset", "local"})
+# Builtins that take a variable name as an argument and evaluate its array subscript as
+# arithmetic when it has one (read NAME, printf -v NAME, test -v NAME, unset NAME, …).
+# The value is the option whose operand is the name, or None when any argument may be one.
+_NAME_TAKING_BUILTINS: dict[str, frozenset[str] | None] = {
+    "test": frozenset({"-v", "-R"}),
+    "[": frozenset({"-v", "-R"}),
+    "printf": frozenset({"-v"}),
+    "wait": frozenset({"-p"}),
+    "read": None,
+    "unset": None,
+    "mapfile": None,
+    "readarray": None,
+    "getopts": None,
+    "export": None,
+    "readonly": None,
+}
+# Name-taking builtins that assign the variable: the names meet the deny policy too.
+_ASSIGNING_BUILTINS = frozenset({"read", "printf", "mapfile", "readarray", "getopts", "wait"})
+# Builtins whose arguments name variables to set or export: their names meet the deny policy.
+_EXPORTING_BUILTINS = frozenset({"export", "readonly"})
+_SUBSCRIPTED_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\[")
+# `${name[…]}` (a subscript) and `${name:offset:length}` (a substring) evaluate arithmetic.
+# Only `${name:-…}`, `${name:=…}`, `${name:?…}` and `${name:+…}` use a colon otherwise.
+_PARAMETER = re.compile(r"\$\{[#!]?([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?P<after>.?)(?P<next>.?)", re.DOTALL)
+_COLON_OPERATORS = "-=?+"
 
 # A shell assignment: an unquoted name, then "=" or "+=".
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\+?=")
@@ -120,27 +176,168 @@ _PROCESS_SUBSTITUTION_REFUSED = (
 class GuardRefusal(Exception):
     """The command line may not run; `command_name` is the offending name when there is one."""
 
-    def __init__(self, message: str, command_name: str | None = None) -> None:
+    def __init__(self, message: str, command_name: str | None = None, variable: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.command_name = command_name
+        self.variable = variable  # an environment variable the line sets that the policy denies
 
 
 def check_allowed(command: str, allowed: Sequence[str]) -> None:
     """Raise ToolFailure(forbidden) unless every simple command of `command` is allowed.
 
     details: `{"command": name}`, the first name not allowed (None when the line was refused
-    for its syntax, e.g. command substitution or unbalanced quotes).
+    for its syntax, e.g. command substitution or unbalanced quotes), and `variable` when the
+    line assigns an environment variable the deny policy refuses (`PATH=/tmp ls`).
     """
     try:
         names = simple_command_names(command)
     except GuardRefusal as refusal:
-        raise ToolFailure(FORBIDDEN, refusal.message, {"command": refusal.command_name}) from None
+        details: dict[str, str | None] = {"command": refusal.command_name}
+        if refusal.variable is not None:
+            details["variable"] = refusal.variable
+        raise ToolFailure(FORBIDDEN, refusal.message, details) from None
     permitted = frozenset(allowed)
     for name in names:
         if name not in permitted:
             raise ToolFailure(
                 FORBIDDEN, f"Command {name!r} is not in allowed_commands.", {"command": name}
+            )
+
+
+# --- the environment a guarded call may set ---
+#
+# A guarded command runs with the environment of build_environment in shell.py: base_env
+# (the operator's), then the bootstrap's agent.env, then the call's env. The last two come
+# from the caller, and many names make bash or a common tool run code no command line shows
+# (`BASH_ENV='$(cmd)'` runs cmd before `ls` does). When allowed_commands is set, a name from
+# agent.env or the call's env is refused when it is denied below. base_env is the operator's
+# configuration and is not judged.
+
+
+class _Match(enum.Enum):
+    EXACT = "exact"
+    PREFIX = "prefix"
+    SUFFIX = "suffix"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentRule:
+    match: _Match
+    names: tuple[str, ...]  # upper case; a name is compared upper-cased
+    reason: str
+
+
+# Each family of names, with why it is denied. Names are compared upper-cased (npm reads its
+# npm_config_* in any case, and a lower-case twin of a denied name is never needed), and any
+# name that is not a shell identifier is denied too (bash imports `BASH_FUNC_f%%` as the
+# function f, and such names are never plain variables).
+ENVIRONMENT_DENY_POLICY: tuple[EnvironmentRule, ...] = (
+    EnvironmentRule(_Match.EXACT, ("BASH_ENV", "ENV"), "bash -c (and sh) source or expand this file name at start-up"),
+    EnvironmentRule(_Match.EXACT, ("SHELLOPTS", "BASHOPTS"), "imported shell options (xtrace, and with it PS4, among them)"),
+    EnvironmentRule(
+        _Match.EXACT,
+        ("PS0", "PS1", "PS2", "PS3", "PS4", "PROMPT_COMMAND", "BASH_XTRACEFD"),
+        "prompt and trace strings undergo command substitution",
+    ),
+    EnvironmentRule(_Match.PREFIX, ("BASH_FUNC_",), "exported shell functions replace commands by name"),
+    EnvironmentRule(
+        _Match.EXACT,
+        ("IFS", "CDPATH", "GLOBIGNORE", "EXECIGNORE", "TMOUT", "BASH_COMPAT", "BASH_LOADABLES_PATH", "POSIXLY_CORRECT"),
+        "changes how bash splits, expands, finds or times out what the guard read",
+    ),
+    EnvironmentRule(_Match.EXACT, ("PATH",), "chooses which binary an allowed name runs"),
+    EnvironmentRule(_Match.EXACT, ("SHELL",), "tools run their sub-commands with it"),
+    EnvironmentRule(
+        _Match.EXACT,
+        ("HOME", "XDG_CONFIG_HOME", "XDG_CONFIG_DIRS"),
+        "tools read their configuration from files under it (git's core.fsmonitor, npm's script-shell)",
+    ),
+    EnvironmentRule(_Match.PREFIX, ("LD_",), "the dynamic loader preloads or audits libraries named here"),
+    EnvironmentRule(_Match.EXACT, ("GCONV_PATH", "LOCPATH", "HOSTALIASES"), "glibc loads modules or files named here"),
+    EnvironmentRule(
+        _Match.PREFIX,
+        ("GIT_",),
+        "git configuration, hooks, helpers and the repository it reads (core.fsmonitor, "
+        "GIT_SSH_COMMAND, GIT_EXTERNAL_DIFF, GIT_EXEC_PATH …), except the names in "
+        "ENVIRONMENT_ALLOWED_EXCEPTIONS",
+    ),
+    EnvironmentRule(
+        _Match.SUFFIX,
+        ("_COMMAND", "_ASKPASS", "_EDITOR", "_PAGER", "_WRAPPER", "_SHELL"),
+        "a program that a tool runs on its own (SSH_ASKPASS, RUSTC_WRAPPER, SYSTEMD_PAGER …)",
+    ),
+    EnvironmentRule(
+        _Match.EXACT,
+        ("PAGER", "MANPAGER", "EDITOR", "VISUAL", "BROWSER", "LESSOPEN", "LESSCLOSE", "ASKPASS"),
+        "a program that a tool runs on its own",
+    ),
+    EnvironmentRule(
+        _Match.PREFIX,
+        ("PYTHON",),
+        "Python startup files, import paths, breakpoint hooks and warning filters import code, "
+        "except the names in ENVIRONMENT_ALLOWED_EXCEPTIONS",
+    ),
+    EnvironmentRule(_Match.PREFIX, ("PERL",), "PERL5OPT, PERL5LIB, PERL5DB load code into every perl"),
+    EnvironmentRule(_Match.PREFIX, ("RUBY",), "RUBYOPT, RUBYLIB load code into every ruby"),
+    EnvironmentRule(
+        _Match.PREFIX, ("NODE_",), "NODE_OPTIONS (--require) and NODE_PATH load code into every node, except NODE_ENV"
+    ),
+    EnvironmentRule(_Match.PREFIX, ("NPM_CONFIG_",), "npm settings choose the shell and node options scripts run with"),
+    EnvironmentRule(
+        _Match.EXACT,
+        ("JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS", "JDK_JAVA_OPTIONS", "LUA_INIT", "PHPRC", "PHP_INI_SCAN_DIR"),
+        "options or start-up code every run of the interpreter takes",
+    ),
+    EnvironmentRule(_Match.EXACT, ("MAKEFLAGS", "MFLAGS", "GNUMAKEFLAGS"), "make takes variable definitions (SHELL) from them"),
+)
+# Names inside a denied family that run nothing: identity and dates for commits, and output
+# settings of Python and node.
+ENVIRONMENT_ALLOWED_EXCEPTIONS = frozenset(
+    {
+        "GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE",
+        "GIT_COMMITTER_NAME", "GIT_COMMITTER_EMAIL", "GIT_COMMITTER_DATE",
+        "GIT_TERMINAL_PROMPT", "GIT_OPTIONAL_LOCKS",
+        "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED", "PYTHONIOENCODING",
+        "PYTHONUTF8", "PYTHONFAULTHANDLER",
+        "NODE_ENV", "NODE_NO_WARNINGS",
+    }
+)  # fmt: skip
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NOT_AN_IDENTIFIER = "not a shell identifier (bash imports BASH_FUNC_name%% as a function)"
+
+
+def denied_environment_name(name: str) -> str | None:
+    """Why a guarded call may not set the environment variable `name`, or None if it may."""
+    if not _IDENTIFIER.fullmatch(name):
+        return _NOT_AN_IDENTIFIER
+    upper = name.upper()
+    if upper in ENVIRONMENT_ALLOWED_EXCEPTIONS:
+        return None
+    for rule in ENVIRONMENT_DENY_POLICY:
+        if rule.match is _Match.EXACT and upper in rule.names:
+            return rule.reason
+        if rule.match is _Match.PREFIX and upper.startswith(rule.names):
+            return rule.reason
+        if rule.match is _Match.SUFFIX and upper.endswith(rule.names):
+            return rule.reason
+    return None
+
+
+def check_environment(names: Iterable[str], source: str) -> None:
+    """Raise ToolFailure(forbidden) for the first name the deny policy refuses.
+
+    `source` says where the name came from ("env" or "agent.env"); details:
+    `{"command": None, "variable": name}`.
+    """
+    for name in names:
+        reason = denied_environment_name(name)
+        if reason is not None:
+            raise ToolFailure(
+                FORBIDDEN,
+                f"The environment variable {name!r} ({source}) is not allowed with "
+                f"allowed_commands: {reason}.",
+                {"command": None, "variable": name},
             )
 
 
@@ -332,6 +529,28 @@ def _unreadable_dollar(raw: str, *, in_heredoc: bool = False) -> str | None:
             return "ANSI-C quoting ($'…')"
         elif pair == "$[":
             return "Arithmetic expansion ($[…])"
+        elif pair == "${":
+            construct = _arithmetic_parameter(raw, index)
+            if construct is not None:
+                return construct
+    return None
+
+
+def _arithmetic_parameter(raw: str, index: int) -> str | None:
+    """Name the arithmetic in the parameter expansion at `raw[index]` ("${"), or None."""
+    match = _PARAMETER.match(raw, index)
+    if match is None:
+        return None  # `${ cmd; }` and other forms are refused or judged elsewhere
+    if raw.startswith("${!", index):
+        # `${!x}` expands the parameter x names, and `x='a[$(cmd)]'` makes that a subscript.
+        return "An indirect expansion (${!name})"
+    if match["after"] == "@":
+        # `${x@P}` expands x's value as a prompt string, command substitutions included.
+        return "A parameter transformation (${name@…})"
+    if match["after"] == "[":
+        return "An array subscript (${name[…]}, evaluated as arithmetic)"
+    if match["after"] == ":" and match["next"] not in tuple(_COLON_OPERATORS):
+        return "A substring expansion (${name:offset:length}, evaluated as arithmetic)"
     return None
 
 
@@ -525,6 +744,8 @@ def _command_name(words: list[_Word]) -> str | None:
     index = 0
     # The name must be bare for an assignment (`"A=1"` is a command), the value may be quoted.
     while index < len(words) and _ASSIGNMENT.match(words[index].raw):
+        # `PATH=/tmp ls` or `GIT_CONFIG_COUNT=1 … git status`: the same names as a call's env.
+        _check_assigned_name(words[index].raw.split("=", 1)[0].removesuffix("+"))
         index += 1
     first = index
     name = None
@@ -536,7 +757,13 @@ def _command_name(words: list[_Word]) -> str | None:
             wrapper, index = _WRAPPERS[name], index + 1
         else:
             break
+        before = index
         index = _past_wrapper(name, wrapper, [word.value for word in words], index)
+        if wrapper.assignments:  # env NAME=value …: any NAME, identifiers or not
+            for word in words[before:index]:
+                # A word the shell expands is refused below, for what it may become.
+                if "=" in word.value and not word.value.startswith("-") and not _expands(word.raw):
+                    _check_assigned_name(word.value.split("=", 1)[0])
     for word in words[first : index + 1]:
         if _expands(word.raw):
             # `$X rm` runs rm when X is empty; `env $X` may become `env -S …`; `{A=1,rm}`
@@ -684,8 +911,13 @@ class _Reader:
             self._skip_loop_header(word.value)
             return
         elif word.value == _TEST_OPEN:
-            self._skip_test()
-            return
+            raise GuardRefusal(_CONDITIONAL_REFUSED, _TEST_OPEN)
+        elif word.value in _ARITHMETIC_BUILTINS:
+            raise GuardRefusal(
+                f"{word.value!r} evaluates arithmetic (which runs command substitutions held "
+                "in array subscripts), so the allowed_commands guard refuses it.",
+                word.value,
+            )
         self._words.append(word)
         self._begun = True
 
@@ -750,31 +982,62 @@ class _Reader:
                 raise GuardRefusal(f"This {keyword!r} loop is not supported by the guard.", keyword)
         raise GuardRefusal(f"The command cannot be parsed: {keyword!r} is not finished.", keyword)
 
-    def _skip_test(self) -> None:
-        """Step over `[[ … ]]`: a conditional expression, in which `<` and `&&` are operands."""
-        previous: _Token | None = None
-        while (token := self._lexer.next()) is not None:
-            if isinstance(token, _Word) and token.bare and token.value == _TEST_CLOSE:
-                self._begun = True  # the test stands where a command name would
-                return
-            if isinstance(token, _Operator) and token.value == _OPEN:
-                if isinstance(previous, _Word) and previous.raw.endswith("$"):
-                    raise GuardRefusal(_SUBSTITUTION_REFUSED)
-                if isinstance(previous, _Operator) and previous.value in ("<", ">"):
-                    raise GuardRefusal(_PROCESS_SUBSTITUTION_REFUSED)
-            if isinstance(token, _Operator) and token.value == _HEREDOC:
-                raise GuardRefusal("The command cannot be parsed: '<<' inside '[[ … ]]'.")
-            previous = token
-        raise GuardRefusal("The command cannot be parsed: '[[' is not closed.")
-
     def _end_command(self) -> None:
         if self._words:
             name = _command_name(self._words)
             if name is not None:
+                _check_variable_arguments(name, self._words)
                 self._names.append(name)
         self._words = []
         self._begun = False
         self._time_options = ()
+
+
+def _check_assigned_name(name: str) -> None:
+    """Refuse an assignment in the line to a name the environment deny policy refuses."""
+    reason = denied_environment_name(name)
+    if reason is not None:
+        raise GuardRefusal(
+            f"The line sets the environment variable {name!r}, which is not allowed with "
+            f"allowed_commands: {reason}.",
+            None,
+            name,
+        )
+
+
+def _check_variable_arguments(name: str, words: list[_Word]) -> None:
+    """Refuse a subscripted variable name handed to a builtin that takes variable names.
+
+    `read 'a[$(cmd)]'`, `printf -v 'a[$(cmd)]' x` and `test -v 'a[$(cmd)]'` evaluate the
+    subscript as arithmetic, and so run the command substitution written in single quotes.
+    Only the literal words are seen: a name that an expansion produces is not.
+    """
+    if name in _EXPORTING_BUILTINS:
+        for word in words[1:]:
+            if not word.value.startswith("-"):
+                _check_assigned_name(word.value.split("=", 1)[0].removesuffix("+"))
+    if name not in _NAME_TAKING_BUILTINS:
+        return
+    option = _NAME_TAKING_BUILTINS[name]
+    values = [word.value for word in words]
+    start = values.index(name) + 1 if name in values else 1
+    for position in range(start, len(values)):
+        value = values[position]
+        # For printf, test and wait only the operand of the option names a variable; for
+        # the others any argument may (options included, conservatively).
+        named = (
+            option is None
+            or values[position - 1] in option
+            or any(value.startswith(flag) for flag in option)  # attached: -vNAME
+        )
+        if named and name in _ASSIGNING_BUILTINS and _IDENTIFIER.fullmatch(value):
+            _check_assigned_name(value)  # `read PATH < f` sets PATH as `PATH=…` would
+        if named and _SUBSCRIPTED_NAME.search(value):
+            raise GuardRefusal(
+                f"{name} evaluates the array subscript in {value!r} as arithmetic, which "
+                "runs command substitutions, so the allowed_commands guard refuses it.",
+                name,
+            )
 
 
 def _heredoc(delimiter: _Word, *, strip_tabs: bool) -> _Heredoc:

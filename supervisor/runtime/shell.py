@@ -233,9 +233,13 @@ class ShellRuntime:
         if ctx.allowed_commands is not None:
             # Imported on first use: the guard's tables cost ~2 MiB of an idle daemon, and
             # most assertions carry no allowed_commands.
-            from sandbox_supervisor.daemon.runtime.guard import check_allowed
+            from sandbox_supervisor.daemon.runtime.guard import check_allowed, check_environment
 
             check_allowed(params.command, ctx.allowed_commands)
+            # The caller's environment reaches the shell too (build_environment): names such
+            # as BASH_ENV or GIT_CONFIG_* run commands the line never shows.
+            check_environment(ctx.agent_env, "agent.env")
+            check_environment(params.env or {}, "env")
         if self.known_call(call.call_id):
             # A call_id names one execution; its spool must never mix two commands' bytes.
             raise ToolFailure(errors.INVALID_PARAMETERS, "This call_id was already used for a command.")
