@@ -35,6 +35,7 @@ from sandbox_supervisor.daemon.ops.health import health_response
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
+from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
 from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
 from sandbox_supervisor.daemon.runtime.service import Runtime
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
@@ -44,7 +45,7 @@ from sandbox_supervisor.daemon.session.bootstrap import BindingRules
 from sandbox_supervisor.daemon.session.hub import SessionHub
 from sandbox_supervisor.daemon.session.socket import SessionServices, SocketSettings, serve_control_socket
 from sandbox_supervisor.daemon.state.journal import Journal
-from sandbox_supervisor.daemon.state.store import StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore, StoreError
 from sandbox_supervisor.daemon.status import (
     EXIT_CONFIG,
     EXIT_CRASH,
@@ -85,6 +86,8 @@ class Daemon:
     store: StateStore
     journal: Journal
     keyring: KeyRing
+    # Who commands run as; None: the daemon's own user (see command_identity).
+    command_identity: CommandIdentity | None
     hub: SessionHub
     status: DaemonStatus
     notifier: SystemdNotifier
@@ -136,6 +139,7 @@ def assemble(
     keyring: KeyRing,
     identity: SandboxIdentity,
     notifier: SystemdNotifier,
+    command_identity: CommandIdentity | None = None,
 ) -> Daemon:
     """The parts that need no nursery."""
     binding = store.binding()
@@ -143,6 +147,7 @@ def assemble(
         version=supervisor_version(),
         session=BootstrapBody.model_validate_json(binding.body_json) if binding else None,
         fence_generation=store.snapshot().fence_generation,
+        privilege_separation=command_identity is not None,
     )
     journal = Journal(store)
     telemetry: Telemetry | None = None
@@ -173,6 +178,7 @@ def assemble(
         store=store,
         journal=journal,
         keyring=keyring,
+        command_identity=command_identity,
         hub=SessionHub(),
         status=status,
         notifier=notifier,
@@ -185,8 +191,9 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     """The parts that live in the daemon's nursery: tool calls belong to the session, not to
     a socket, so they run here, outliving the connection that asked for them."""
     config = daemon.config
+    who = daemon.command_identity
     shell = ShellRuntime(
-        ShellSettings.from_config(config), daemon.store, daemon.journal, nursery, telemetry=daemon.telemetry
+        ShellSettings.from_config(config, who), daemon.store, daemon.journal, nursery, telemetry=daemon.telemetry
     )
     tools = bind_tools(
         ToolServices(
@@ -194,6 +201,7 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
             file_write_lock=trio.Lock(),
             shell=shell,
             max_file_bytes=config.files.max_file_bytes,
+            file_owner=None if who is None else (who.uid, who.gid),
         )
     )
     calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry)
@@ -243,6 +251,36 @@ async def _watch_signals(daemon: Daemon, *, task_status: trio.TaskStatus[None] =
                 daemon.request_stop(EXIT_OK, signal.Signals(signum).name)
 
 
+def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
+    """The user commands will run as, None for the daemon's own; StartupError when that user
+    could write what the daemon trusts (docs/operations.md, "Privilege separation")."""
+    try:
+        wanted = config.exec.command_identity()
+    except ValueError as exc:  # the user was removed since the configuration was loaded
+        raise StartupError(f"exec.user: {exc}") from None
+    if wanted is None:
+        return None
+    if not can_switch_user():
+        # Still useful without it (a developer's machine): run, but never silently.
+        log.warning(
+            "supervisor.privilege_separation_unavailable",
+            user=config.exec.user,
+            reason="the daemon is not root; commands run as the daemon's own user",
+        )
+        return None
+    state_dir = Path(config.paths.state_dir)
+    guarded = [state_dir, state_dir / DB_FILENAME]
+    guarded += [Path(os.path.abspath(path)).parent for path in config.listen.unix]
+    problems = writable_paths(guarded, wanted)
+    if problems:
+        raise StartupError(
+            "exec.user: the command user could change the daemon's state or sockets: "
+            + "; ".join(problems)
+            + " (make them owned by root and not group- or world-writable)"
+        )
+    return wanted
+
+
 def open_state(config: SupervisorConfig) -> tuple[StateStore, KeyRing]:
     try:
         keyring = KeyRing(config.authority.jwks_file)
@@ -265,6 +303,8 @@ async def run_supervisor(
     """Run until stopped; return the exit status. `task_status.started` gets the Daemon and
     the bound listeners once the daemon is ready (what READY=1 means)."""
     notifier = SystemdNotifier(env)
+    # Before the state is opened: a state dir the command user can write is never trusted.
+    who = command_identity(config)
     store, keyring = open_state(config)
     try:
         if store.snapshot().terminated is not None:
@@ -276,7 +316,7 @@ async def run_supervisor(
         recovered = recover_pending_calls(store, config.paths.state_dir, max_file_bytes=config.files.max_file_bytes)
         if recovered:
             log.warning("calls.recovered", count=recovered)
-        daemon = assemble(config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier)
+        daemon = assemble(config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who)
         try:
             bound, owned_unix = await open_daemon_listeners(config.listen.tcp, config.listen.unix, env)
         except ActivationError as exc:

@@ -28,6 +28,12 @@ from pydantic_core import ErrorDetails
 
 from sandbox_supervisor.protocol import bootstrap
 from sandbox_supervisor.protocol.addresses import parse_host_port
+from sandbox_supervisor.daemon.runtime.identity import (
+    CommandIdentity,
+    check_group,
+    check_user,
+    resolve_identity,
+)
 from sandbox_supervisor.daemon.state.store import (
     DEFAULT_CALL_MAX_AGE_S,
     DEFAULT_CALL_MAX_RESULT_BYTES,
@@ -172,12 +178,40 @@ class ExecConfig(_Section):
     # (docs/protocol.md §7.4.6; docs/deltas.md item 37).
     spool_total_max_bytes: PositiveInt = 1024 * 1024 * 1024
     base_env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_BASE_ENV))
+    # Privilege separation (docs/operations.md): commands run as this user (a name or a uid),
+    # with this group (default: the user's primary group) and exactly these supplementary
+    # groups. Unset: commands run as the daemon's own user, as before.
+    user: str | int | None = None
+    group: str | int | None = None
+    supplementary_groups: list[str | int] = []
 
     @field_validator("shell")
     @classmethod
     def _check_shell(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError("shell must be an absolute path")
+        return value
+
+    # Each name is looked up on its own first, so an unknown one is reported under its own key.
+    @field_validator("user")
+    @classmethod
+    def _check_user(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            check_user(value)
+        return value
+
+    @field_validator("group")
+    @classmethod
+    def _check_group(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            check_group(value)
+        return value
+
+    @field_validator("supplementary_groups")
+    @classmethod
+    def _check_groups(cls, value: list[str | int]) -> list[str | int]:
+        for group in value:
+            check_group(group)
         return value
 
     @field_validator("base_env")
@@ -195,7 +229,17 @@ class ExecConfig(_Section):
         # The live buffer must hold at least one full chunk, or no event could ever be full size.
         if self.output_buffer_bytes < self.output_max_chunk_bytes:
             raise ValueError("output_buffer_bytes must be at least output_max_chunk_bytes")
+        # Resolved once here, so an unknown name is a configuration error (exit 2) at start.
+        self.command_identity()
         return self
+
+    def command_identity(self) -> CommandIdentity | None:
+        """The `[exec] user` commands run as, resolved; None when unset."""
+        if self.user is None:
+            if self.group is not None or self.supplementary_groups:
+                raise ValueError("group and supplementary_groups need user to be set")
+            return None
+        return resolve_identity(self.user, self.group, self.supplementary_groups)
 
 
 class IdempotencyConfig(_Section):

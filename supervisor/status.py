@@ -34,8 +34,18 @@ class StopRequest:
 
 
 class DaemonStatus:
-    def __init__(self, *, version: str, session: BootstrapBody | None, fence_generation: int) -> None:
+    def __init__(
+        self,
+        *,
+        version: str,
+        session: BootstrapBody | None,
+        fence_generation: int,
+        privilege_separation: bool = False,
+    ) -> None:
         self.version = version
+        # Commands run as their own user (`[exec] user`, and the daemon could switch to it);
+        # /healthz reports it, so a separation that silently did not happen is visible.
+        self.privilege_separation = privilege_separation
         self.lifecycle = Lifecycle.SERVING
         self.session = session
         # The daemon is the fence's only writer, so the fenced generation is kept here too:

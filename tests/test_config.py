@@ -412,3 +412,24 @@ def test_bad_idempotency_retention_values_exit_2_naming_each_key(tmp_path: Path)
     with pytest.raises(ConfigError) as excinfo:
         load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_IDEMPOTENCY__MAX_RESULT_BYTES": "-1"})
     assert "greater than 0" in problems_of(excinfo)["idempotency.max_result_bytes"]
+
+
+def test_check_config_prints_the_command_user_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    """`[exec] user/group/supplementary_groups` (docs/operations.md, "Privilege separation"):
+    printed as configured; a name the machine does not know is exit 2 under its own key."""
+    _, jwks = write_key_pair(tmp_path / "keys", "k1")
+    base = f'[authority]\nissuer = "https://cp.test"\njwks_file = "{jwks}"\n'
+    path = write(tmp_path, base + '[exec]\nuser = "nobody"\ngroup = "nogroup"\nsupplementary_groups = [0]\n')
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    printed = json.loads(result.stdout)["exec"]
+    assert (printed["user"], printed["group"], printed["supplementary_groups"]) == ("nobody", "nogroup", [0])
+    unset = json.loads(run_cli("check-config", "--config", str(write(tmp_path, base))).stdout)["exec"]
+    assert (unset["user"], unset["group"], unset["supplementary_groups"]) == (None, None, [])
+    path = write(tmp_path, base + '[exec]\nuser = "sbx-no-such-user"\ngroup = "sbx-no-such-group"\n')
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("exec.user: unknown user 'sbx-no-such-user'") for line in lines), result.stderr
+    assert any(line.startswith("exec.group: unknown group 'sbx-no-such-group'") for line in lines), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""

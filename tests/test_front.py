@@ -41,8 +41,9 @@ async def test_health_fields_and_no_session_data(daemon, transport):
     response = await http_request(endpoint, "GET", "/healthz")
     assert response.status == 200
     body = response.json()
-    assert set(body) == {"status", "version", "bound", "uptimeS"}
+    assert set(body) == {"status", "version", "bound", "uptimeS", "privilegeSeparation"}
     assert body["status"] == "ok" and body["bound"] is False
+    assert body["privilegeSeparation"] is False  # no [exec] user: commands run as the daemon
     assert isinstance(body["uptimeS"], int)
     async with daemon.client(endpoint).connect() as session:
         await session.bootstrap(cwd=str(daemon.layout.workspace))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import tomllib
+from contextlib import nullcontext
 import re
 import shutil
 import socket
@@ -19,7 +22,7 @@ import trio
 
 from sandbox_supervisor.daemon.ops import cli
 from sandbox_supervisor.daemon.ops.cli import EXIT_TERMINATED
-from sandbox_supervisor.daemon.config import ExecConfig, WebSocketConfig, load_config, parse_host_port
+from sandbox_supervisor.daemon.config import ConfigError, ExecConfig, WebSocketConfig, load_config, parse_host_port
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime.oom import (
     COMMAND_OOM_SCORE_ADJ,
@@ -195,14 +198,36 @@ def test_socket_units_name_their_sockets_and_feed_the_one_service() -> None:
     assert one(tcp_unit, "Socket", "Service") == SERVICE.name
     assert one(unix_unit, "Socket", "SocketMode") == "0600"  # as the daemon's own sockets
     service = parse_unit(SERVICE)
-    assert one(unix_unit, "Socket", "SocketUser") == one(service, "Service", "User")
+    # The daemon runs as root (no User=) and commands as `[exec] user`: the socket is root's,
+    # so the agent's commands can neither connect to it nor replace it.
+    assert "User" not in service["Service"] and "Group" not in service["Service"]
+    assert one(unix_unit, "Socket", "SocketUser") == "root"
+    assert one(unix_unit, "Socket", "SocketGroup") == "root"
     for unit in (unix_unit, tcp_unit):
         assert unit["Socket"].get("Accept", ["no"]) == ["no"]  # listening sockets, not connections
         assert one(unit, "Install", "WantedBy") == "sockets.target"
 
 
+def test_example_config_separates_the_agent_from_the_daemon() -> None:
+    """The shipped setup: commands as E2B's `user` with no extra groups (docs/operations.md,
+    "Privilege separation"). Validating it needs that account, which a CI machine lacks."""
+    raw = tomllib.loads(EXAMPLE_CONFIG.read_text())
+    assert raw["exec"] == {"user": "user", "group": "user", "supplementary_groups": []}
+    with pytest.raises(ConfigError, match="exec") if not _has_user("user") else nullcontext():
+        load_config(EXAMPLE_CONFIG, env={})
+
+
+def _has_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def test_example_config_validates_and_matches_the_units() -> None:
-    config = load_config(EXAMPLE_CONFIG, env={})
+    # Any existing account stands in for E2B's `user` (see the test above).
+    config = load_config(EXAMPLE_CONFIG, env={}, overrides={"exec.user": "nobody", "exec.group": "nogroup"})
     service = parse_unit(SERVICE)
     unix_path = one(parse_unit(UNIX_SOCKET_UNIT), "Socket", "ListenStream")
     tcp_address = one(parse_unit(TCP_SOCKET_UNIT), "Socket", "ListenStream")

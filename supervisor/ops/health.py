@@ -18,11 +18,12 @@ HTTP_UNAVAILABLE = 503
 
 def health_response(status: DaemonStatus) -> tuple[int, bytes]:
     """200 while serving, 503 otherwise; the body says which, the version, whether a session
-    is bound and the uptime in whole seconds."""
+    is bound, the uptime in whole seconds, and whether commands run as their own user."""
     body = {
         "status": HEALTH_STATUS[status.lifecycle],
         "version": status.version,
         "bound": status.session is not None,
         "uptimeS": int(time.monotonic() - status.started_monotonic),
+        "privilegeSeparation": status.privilege_separation,
     }
     return (HTTP_OK if status.serving else HTTP_UNAVAILABLE), json_body(body)

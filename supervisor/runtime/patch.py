@@ -143,6 +143,9 @@ class PatchPlan:
     new_bytes: bytes | None  # None: delete
     hunks: int
     mode: int | None  # permission bits of the existing file; None when it is created
+    # The existing file's (uid, gid), kept on the replacement when the daemon writes as
+    # another user (it is root under privilege separation); None when it is created.
+    owner: tuple[int, int] | None = None
 
     def result(self) -> dict[str, Any]:
         """The `apply_file_patch` result (docs/protocol.md §7.5)."""
@@ -487,10 +490,12 @@ def plan_patch(
     found = _open_target(target, max_file_bytes)
     original: bytes | None = None
     mode: int | None = None
+    owner: tuple[int, int] | None = None
     old_sha = ZERO_SHA
     if found is not None:
         opened, info = found
         mode = stat.S_IMODE(info.st_mode)
+        owner = (info.st_uid, info.st_gid)
         with opened as file:
             old_sha = _hash_from_start(file, info.st_size)
             if old_sha == params.base_sha:
@@ -523,17 +528,28 @@ def plan_patch(
         new_bytes=outcome.new,
         hunks=outcome.hunks,
         mode=mode,
+        owner=owner,
     )
 
 
-def commit_patch(plan: PatchPlan, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> None:
+def commit_patch(
+    plan: PatchPlan,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    new_owner: tuple[int, int] | None = None,
+) -> None:
     """Write the plan atomically: readers see the old file or the new one, never a mix.
 
     The file is checked once more against plan.old_sha right before writing, which narrows
     (it cannot close) the window in which another writer changed it since the plan; the
     dispatcher serialises patches of one path. Missing parent directories of a new file are
-    created (the jail already admitted the whole path; agents expect `mkdir -p`). The owner
-    is not kept: the supervisor writes as itself, the agent's user. A kill between the
+    created (the jail already admitted the whole path; agents expect `mkdir -p`).
+
+    Ownership: with `new_owner` (uid, gid) — the command user under privilege separation,
+    where the daemon writes as root — a created file and every directory created for it
+    belong to that user, and a replaced file keeps its old owner, so the agent can go on
+    editing what the control plane patched. Without it the supervisor writes as itself (the
+    agent's user when there is no separation) and the owner is not kept. A kill between the
     temp file's creation and the rename leaves a `.<name>.<random>.patch-tmp` file behind,
     never a half-written target.
     """
@@ -549,7 +565,7 @@ def commit_patch(plan: PatchPlan, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTE
         os.unlink(plan.path)
         _settle(directory)
         return
-    _make_directories(directory)
+    _make_directories(directory, new_owner)
     temp = directory / _temp_name(plan.path.name)
     # A replaced file's bits are set with fchmod below; until then only we may open it.
     create_mode = NEW_FILE_MODE if plan.mode is None else PRIVATE_TEMP_MODE
@@ -557,6 +573,10 @@ def commit_patch(plan: PatchPlan, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTE
     fd = os.open(temp, flags, create_mode)
     try:
         try:
+            owner = new_owner if plan.owner is None else plan.owner
+            if new_owner is not None and owner is not None:
+                # Before the fchmod: chown clears set-user/group-ID bits the mode may carry.
+                os.fchown(fd, *owner)
             if plan.mode is not None:
                 os.fchmod(fd, plan.mode)  # exactly the old bits; the umask does not apply
             view = memoryview(plan.new_bytes)
@@ -589,8 +609,9 @@ def _temp_name(name: str) -> str:
     return f"{TEMP_PREFIX}{stem}.{secrets.token_hex(TEMP_RANDOM_BYTES)}{TEMP_SUFFIX}"
 
 
-def _make_directories(directory: Path) -> None:
-    """mkdir -p, each new directory made durable in its parent."""
+def _make_directories(directory: Path, owner: tuple[int, int] | None = None) -> None:
+    """mkdir -p, each new directory made durable in its parent and, with `owner`, given to
+    that (uid, gid) so the command user can write in it."""
     missing = []
     for candidate in (directory, *directory.parents):
         if candidate.is_dir():
@@ -602,6 +623,9 @@ def _make_directories(directory: Path) -> None:
         except FileExistsError:
             if not new.is_dir():
                 raise
+        else:
+            if owner is not None:
+                os.chown(new, *owner, follow_symlinks=False)
         fsync_directory(new.parent)
 
 

@@ -25,6 +25,7 @@ import trio
 
 from sandbox_supervisor.protocol.fields import Stream
 from sandbox_supervisor.daemon.runtime import processes
+from sandbox_supervisor.daemon.runtime.identity import CommandIdentity
 from sandbox_supervisor.daemon.runtime.oom import with_oom_score_adj
 
 __all__ = [
@@ -62,13 +63,25 @@ class ProcessGroup:
         self.pgid = process.pid
 
     @classmethod
-    async def spawn(cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]) -> ProcessGroup:
+    async def spawn(
+        cls,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        identity: CommandIdentity | None = None,
+    ) -> ProcessGroup:
         """Start `argv` in a new session with stdin on /dev/null and stdout and stderr on two
         pipes; OSError when it cannot be started.
 
         Through the oom wrapper: the value is set in the process itself before `argv` execs,
         so nothing it forks can keep the daemon's protection. The wrapper execs, so the pid
         (and group leader) tracked here is `argv[0]`'s.
+
+        With an `identity`, the child drops to that uid, gid and exactly those supplementary
+        groups (setgroups, setgid, setuid, in the child after fork and setsid, before exec), so
+        the wrapper already runs as the user: raising one's own oom_score_adj needs no
+        privilege. The chdir to `cwd` happens after the switch, as the user.
         """
         process = await trio.lowlevel.open_process(
             with_oom_score_adj(argv),
@@ -78,6 +91,10 @@ class ProcessGroup:
             cwd=str(cwd),
             env=dict(env),
             start_new_session=True,  # its own session and process group
+            # None for each: no switch, the daemon's own ids (Popen's defaults).
+            user=None if identity is None else identity.uid,
+            group=None if identity is None else identity.gid,
+            extra_groups=None if identity is None else list(identity.groups),
         )
         return cls(process)
 

@@ -43,6 +43,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
 )
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.runtime.identity import CommandIdentity
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
 from sandbox_supervisor.daemon.runtime.spool import SpoolNotFound, read_range, spool_dir, stream_path
 
@@ -68,9 +69,12 @@ class ShellSettings:
     spool_total_max_bytes: int
     base_env: Mapping[str, str]
     state_dir: Path
+    # Who commands run as; None: the daemon's own user (no `[exec] user`, or a daemon that
+    # cannot switch users: app.py warns about that at start).
+    identity: CommandIdentity | None = None
 
     @classmethod
-    def from_config(cls, config: SupervisorConfig) -> ShellSettings:
+    def from_config(cls, config: SupervisorConfig, identity: CommandIdentity | None = None) -> ShellSettings:
         ex = config.exec
         return cls(
             shell=ex.shell,
@@ -83,6 +87,7 @@ class ShellSettings:
             spool_total_max_bytes=ex.spool_total_max_bytes,
             base_env=dict(ex.base_env),
             state_dir=Path(config.paths.state_dir),
+            identity=identity,
         )
 
     def output_limits(self) -> OutputLimits:
@@ -94,10 +99,19 @@ class ShellSettings:
         )
 
 
-def build_environment(base: Mapping[str, str], agent: Mapping[str, str], call: Mapping[str, str] | None) -> dict[str, str]:
-    """base_env, overridden by the bootstrap's agent.env, overridden by the call's env —
-    never the daemon's own environment (which may hold secrets)."""
+def build_environment(
+    base: Mapping[str, str],
+    agent: Mapping[str, str],
+    call: Mapping[str, str] | None,
+    identity: CommandIdentity | None = None,
+) -> dict[str, str]:
+    """base_env, overridden by the command user's HOME/USER/LOGNAME/SHELL (from its passwd
+    entry), overridden by the bootstrap's agent.env, overridden by the call's env — never the
+    daemon's own environment (which may hold secrets). The user's entry beats base_env, whose
+    HOME is a guess made without knowing the user; an explicit agent.env or env still wins."""
     env = dict(base)
+    if identity is not None:
+        env.update(identity.environment())
     env.update(agent)
     env.update(call or {})
     return env
@@ -253,7 +267,7 @@ class ShellRuntime:
         return cwd
 
     async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx: CallContext) -> Command:
-        env = build_environment(self.settings.base_env, ctx.agent_env, params.env)
+        env = build_environment(self.settings.base_env, ctx.agent_env, params.env, self.settings.identity)
         try:
             output = CommandOutput.open(
                 self.settings.state_dir, call_id, self.settings.output_limits(), self.journal, self.telemetry
@@ -262,7 +276,10 @@ class ShellRuntime:
             raise start_failure(exc) from None
         try:
             group = await ProcessGroup.spawn(
-                [choose_shell(self.settings.shell), "-c", params.command], cwd=cwd, env=env
+                [choose_shell(self.settings.shell), "-c", params.command],
+                cwd=cwd,
+                env=env,
+                identity=self.settings.identity,
             )
         except BaseException as exc:
             output.close()

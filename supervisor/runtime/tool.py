@@ -82,6 +82,9 @@ class ToolServices:
     shell: CommandService
     # `[files] max_file_bytes`: read_file and apply_file_patch refuse larger files.
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # (uid, gid) of the command user under privilege separation: files and directories
+    # apply_file_patch creates are given to it (patch.commit_patch); None: the daemon's own.
+    file_owner: tuple[int, int] | None = None
     read_limiter: trio.CapacityLimiter = field(
         default_factory=lambda: trio.CapacityLimiter(READ_THREADS)
     )

@@ -64,7 +64,7 @@ async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:
             intent = json.loads(record.intent_json or "{}") if record else {}
             intent.update({"target": str(plan.path), "result": plan.result()})
             store.set_call_intent(key, json.dumps(intent))
-        commit_patch(plan, max_file_bytes=services.max_file_bytes)
+        commit_patch(plan, max_file_bytes=services.max_file_bytes, new_owner=services.file_owner)
         return plan.result()
 
     async with services.file_write_lock:
