@@ -313,7 +313,12 @@ async def run_supervisor(
             return EXIT_TERMINATED
         # Calls a previous instance left pending are completed before anyone can connect, so
         # a reconnecting client finds exactly one result for each of them.
-        recovered = recover_pending_calls(store, config.paths.state_dir, max_file_bytes=config.files.max_file_bytes)
+        recovered = recover_pending_calls(
+            store,
+            config.paths.state_dir,
+            max_file_bytes=config.files.max_file_bytes,
+            file_owner=None if who is None else (who.uid, who.gid),
+        )
         if recovered:
             log.warning("calls.recovered", count=recovered)
         daemon = assemble(config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who)

@@ -747,3 +747,29 @@ def test_a_crash_while_recovery_applies_an_unplanned_patch_is_recovered_as_appli
         second = recover(store.call_record("k"), env).body
     assert first["ok"] is True and second == first
     assert (workspace / "f.txt").read_bytes() == new
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root (CI runs as root)")
+def test_a_recovered_patch_gives_what_it_creates_to_the_command_user(tmp_path):
+    """With [exec] user set, a file a patch creates belongs to the command user; a patch that
+    crash recovery carries out must do the same, or the agent could not edit it."""
+    import json
+
+    from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
+    from sandbox_supervisor.daemon.runtime.tools.apply_file_patch import recover
+    from sandbox_supervisor.daemon.state.store import StateStore
+
+    nobody = (65534, 65534)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    new = b"hello\n"
+    parameters = {"path": "made/new.txt", "diff": make_diff(None, new, "made/new.txt"), "base_sha": "0" * 40}
+    intent = {"parameters": parameters, "cwd": str(workspace), "allowed_paths": None}
+    with StateStore.open(tmp_path / "state") as store:
+        store.begin_call(key="k", tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent))
+        body = recover(store.call_record("k"), RecoveryEnv(store, tmp_path / "state", file_owner=nobody)).body
+    assert body["ok"] is True, body
+    created = workspace / "made" / "new.txt"
+    assert created.read_bytes() == new
+    assert (created.stat().st_uid, created.stat().st_gid) == nobody
+    assert (created.parent.stat().st_uid, created.parent.stat().st_gid) == nobody

@@ -47,11 +47,17 @@ def _not_finished(record: CallRecord) -> Recovered:
     return Recovered(result_body(record.call_id, record.key, record.tool_name, error=interrupted(NOT_FINISHED_MESSAGE)))
 
 
-def recover_pending_calls(store: StateStore, state_dir: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> int:
+def recover_pending_calls(
+    store: StateStore,
+    state_dir: Path,
+    *,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    file_owner: tuple[int, int] | None = None,
+) -> int:
     """Complete every pending call; returns how many. Groups are killed first, so an
     interrupted command's spool no longer grows while it is summarised."""
     kill_leftover_groups(store, state_dir)
-    env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes)
+    env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner)
     by_tool = recoverers()
     completed = 0
     for record in store.pending_calls():

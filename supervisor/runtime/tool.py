@@ -101,6 +101,8 @@ class RecoveryEnv:
     state_dir: Path
     # Recovery re-plans and re-hashes patched files: bounded like a live patch.
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # (uid, gid) given to what a recovered patch creates, as a live patch does ([exec] user).
+    file_owner: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
