@@ -151,6 +151,45 @@ async def test_health_is_answered_when_every_handshake_slot_is_taken(tmp_path, a
             await stream.aclose()
 
 
+# A mix: idle, a first byte only, a request line then nothing more.
+HOSTILE_OPENERS = [b"", b"G", b"GET /v1/control HTTP/1.1\r\nhost: x\r\n"]
+# The replacing attacker opens at most this many more connections (a bounded loop).
+MAX_REPLACEMENTS = 3 * ATTACKERS
+
+
+async def _open_hostile(address: tuple[str, int], n: int) -> trio.socket.SocketType:
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        await sock.bind((ATTACKER_HOST, 0))
+        await sock.connect(address)
+        if HOSTILE_OPENERS[n % len(HOSTILE_OPENERS)]:
+            await sock.send(HOSTILE_OPENERS[n % len(HOSTILE_OPENERS)])
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _control_plane_gets_in(daemon, client, timings: dict[str, float], phase: str) -> None:
+    """The upgrade completes within 1 s over unix and over TCP from another address, and
+    health answers within 100 ms on both."""
+    legit_tcp = FromLegitHost(tcp=daemon.tcp.tcp)
+    for name, endpoint in [("unix", daemon.unix), ("tcp", legit_tcp)]:
+        client.endpoint = endpoint
+        started = trio.current_time()
+        with trio.fail_after(1):
+            # The upgrade completes (101) or connect() raises UpgradeRejected.
+            async with client.connect():
+                pass
+        timings[f"{phase} {name} upgrade"] = trio.current_time() - started
+    for name, endpoint in [("unix", daemon.unix), ("tcp", legit_tcp)]:
+        started = trio.current_time()
+        with trio.fail_after(0.1):
+            response = await http_request(endpoint, "GET", "/healthz")
+        timings[f"{phase} {name} health"] = trio.current_time() - started
+        assert response.status == 200
+
+
 async def test_control_plane_and_health_survive_a_thousand_hostile_connections(tmp_path, authority):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < FDS_NEEDED:
@@ -161,42 +200,39 @@ async def test_control_plane_and_health_survive_a_thousand_hostile_connections(t
         layout = make_layout(tmp_path / "d", authority=authority)
         async with in_process_daemon(layout) as daemon:
             assert daemon.tcp.tcp is not None
-            host, port = daemon.tcp.tcp
-            hostile = []
+            address = daemon.tcp.tcp
+            hostile: list[trio.socket.SocketType] = []
+            timings: dict[str, float] = {}
+            client = daemon.client(daemon.unix)
+            first_idle = None
             try:
-                # A mix: idle, a first byte only, a request line then nothing more.
-                openers = [b"", b"G", b"GET /v1/control HTTP/1.1\r\nhost: x\r\n"]
                 with trio.fail_after(15):
                     for n in range(ATTACKERS):
-                        sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                        hostile.append(sock)
-                        await sock.bind((ATTACKER_HOST, 0))
-                        await sock.connect((host, port))
-                        if openers[n % 3]:
-                            await sock.send(openers[n % 3])
+                        hostile.append(await _open_hostile(address, n))
                 # The flood is in effect: the attackers' address is refused anything but health.
                 response = await http_request(daemon.tcp, "GET", "/")
                 assert (response.status, response.json()["error"]) == (503, "too_many_handshakes")
-                legit_tcp = FromLegitHost(tcp=daemon.tcp.tcp)
-                timings = {}
-                client = daemon.client(daemon.unix)
-                for name, endpoint in [("unix", daemon.unix), ("tcp", legit_tcp)]:
-                    client.endpoint = endpoint
-                    started = trio.current_time()
-                    with trio.fail_after(1):
-                        # The upgrade completes (101) or connect() raises UpgradeRejected.
-                        async with client.connect():
-                            pass
-                    timings[name] = trio.current_time() - started
-                for name, endpoint in [("unix health", daemon.unix), ("tcp health", legit_tcp)]:
-                    started = trio.current_time()
-                    with trio.fail_after(0.1):
-                        response = await http_request(endpoint, "GET", "/healthz")
-                    timings[name] = trio.current_time() - started
-                    assert response.status == 200
-                print("timings under flood:", timings)
+                await _control_plane_gets_in(daemon, client, timings, "fresh")
+
+                # Steady state: the attacker replaces what the daemon drops, keeping ATTACKERS
+                # open, until the daemon has timed out the first (idle) connection.
+                async def replace() -> None:
+                    for n in range(MAX_REPLACEMENTS):
+                        hostile.append(await _open_hostile(address, n))
+                        if len(hostile) > ATTACKERS:
+                            hostile.pop(0).close()
+
+                # Watched, so never closed by the replacer (which closes the oldest).
+                first_idle = hostile.pop(0)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(replace)
+                    with trio.fail_after(10):
+                        assert await first_idle.recv(1024) == b""  # dropped, no answer
+                    await _control_plane_gets_in(daemon, client, timings, "replaced")
+                    nursery.cancel_scope.cancel()
+                print("timings under flood:", {k: round(v, 4) for k, v in timings.items()})
             finally:
-                for sock in hostile:
+                for sock in [*hostile, *([first_idle] if first_idle else [])]:
                     sock.close()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
