@@ -30,7 +30,7 @@ from sandbox_supervisor.daemon.auth.keyring import KeyRing
 from sandbox_supervisor.daemon.config import SupervisorConfig
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.edge.activation import ActivationError, open_daemon_listeners
-from sandbox_supervisor.daemon.edge.server import BoundListeners, remove_unix_paths, serve
+from sandbox_supervisor.daemon.edge.server import BoundListeners, FrontLimits, remove_unix_paths, serve
 from sandbox_supervisor.daemon.ops.health import health_response
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
@@ -331,7 +331,12 @@ async def run_supervisor(
                 start_runtime(daemon, nursery)
                 if handle_signals:
                     await nursery.start(_watch_signals, daemon)
-                await nursery.start(serve, bound.listeners, DaemonFront(daemon), config.websocket.max_handshakes)
+                limits = FrontLimits(
+                    max_tcp_handshakes=config.websocket.max_handshakes,
+                    max_unix_handshakes=config.websocket.max_unix_handshakes,
+                    max_handshakes_per_peer=config.websocket.max_handshakes_per_peer,
+                )
+                await nursery.start(serve, bound.listeners, DaemonFront(daemon), limits)
                 # Published once the daemon is ready (what READY=1 says): a script that waits
                 # for the file and then sends SIGTERM gets a graceful stop, never the default
                 # handler's kill before the signal watcher is installed.

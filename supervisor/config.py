@@ -131,7 +131,12 @@ class WebSocketConfig(_Section):
     idle_timeout_s: PositiveSeconds = 60.0
     max_message_bytes: PositiveInt = 131072
     handshake_timeout_s: PositiveSeconds = 10.0
+    # Handshake slots of the TCP listeners; the unix listeners have a pool of their own, so a
+    # TCP flood cannot lock out a control plane that connects over the unix socket.
     max_handshakes: PositiveInt = 64
+    max_unix_handshakes: PositiveInt = 64
+    # Pending handshakes one TCP source address may hold at once.
+    max_handshakes_per_peer: PositiveInt = 8
     drain_budget_s: PositiveSeconds = 0.5
 
     @field_validator("control_path", "health_path", "metrics_path")

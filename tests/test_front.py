@@ -24,10 +24,12 @@ from sandbox_supervisor.daemon.edge.http_front import (
     RoutePaths,
     classify,
 )
+from sandbox_supervisor.daemon.edge.server import FIRST_LINE_TIMEOUT_S
 from sandbox_supervisor.daemon.state.store import DB_FILENAME
 from sandbox_supervisor.testing.client import Endpoint, UpgradeRejected, http_request
 from sandbox_supervisor.testing.daemon import DaemonExitedEarly, in_process_daemon, make_layout, running_daemon
 from sandbox_supervisor.testing.fuzzing import fuzz_settings
+from test_preauth import FromLegitHost
 
 MAX_MESSAGE = 128 * 1024
 
@@ -256,23 +258,51 @@ async def _raw_partial_head(endpoint: Endpoint) -> trio.SocketStream:
 
 
 async def test_handshake_limit_and_health_under_slow_loris(tmp_path, authority):
-    layout = make_layout(tmp_path / "d", authority=authority, websocket={"max_handshakes": 8})
+    """Eight partial heads fill the TCP pool (or are dropped early on the way): a ninth TCP
+    request that is not a health check is refused, health still answers (a probe slot), and
+    the unix listener, with a pool of its own, is untouched."""
+    layout = make_layout(
+        tmp_path / "d", authority=authority, websocket={"max_handshakes": 8, "max_handshakes_per_peer": 8}
+    )
     async with in_process_daemon(layout) as daemon:
         streams = [await _raw_partial_head(daemon.tcp) for _ in range(8)]
         # Once the daemon has taken the eight partial heads in (how soon depends on the
-        # machine's load), a ninth connection is refused however it asks.
+        # machine's load), a ninth TCP connection is refused unless it asks for health.
         with trio.fail_after(5):
-            while (response := await http_request(daemon.unix, "GET", "/healthz")).status == 200:
+            while (response := await http_request(daemon.tcp, "GET", "/nope")).status == 404:
                 await trio.sleep(0.01)
         assert (response.status, response.json()["error"]) == (503, "too_many_handshakes")
+        # From another address: this one's probe slots may hold partial heads that random
+        # early drop sent there.
+        assert (await http_request(FromLegitHost(tcp=daemon.tcp.tcp), "GET", "/healthz")).status == 200
+        assert (await http_request(daemon.unix, "GET", "/nope")).status == 404
+        async with daemon.client(daemon.unix).connect():
+            pass
         await streams.pop().aclose()
         with trio.fail_after(10):
             while daemon.supervisor is not None:
-                response = await http_request(daemon.tcp, "GET", "/healthz")
-                if response.status == 200:
+                response = await http_request(daemon.tcp, "GET", "/nope")
+                if response.status == 404:
                     break
                 await trio.sleep(0.01)
         for stream in streams:
+            await stream.aclose()
+
+
+async def test_idle_connection_is_dropped_after_the_first_line_timeout(tmp_path, authority):
+    """An idle connection (or one whose request line never ends) holds its slot for
+    FIRST_LINE_TIMEOUT_S, not the whole handshake_timeout_s."""
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"handshake_timeout_s": 30})
+    async with in_process_daemon(layout) as daemon:
+        for opener in [b"", b"GET /v1/con"]:
+            stream = await daemon.tcp.open_stream()
+            if opener:
+                await stream.send_all(opener)
+            started = trio.current_time()
+            with trio.fail_after(FIRST_LINE_TIMEOUT_S + 2):
+                data = await stream.receive_some(1024)
+            assert data == b""  # closed without an answer
+            assert trio.current_time() - started >= FIRST_LINE_TIMEOUT_S * 0.9
             await stream.aclose()
 
 

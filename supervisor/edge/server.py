@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import socket as stdlib_socket
 import stat
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -77,6 +80,156 @@ class HandshakeSlots:
         self.in_use -= 1
 
 
+# --- pre-authentication budgets ----------------------------------------------------------
+#
+# Nothing a peer without a key can do may lock the control plane (or health checks) out.
+# Each listener kind has its own pool of handshake slots, TCP peers are limited per source
+# address, new TCP connections are dropped at random as the pool fills, and health/metrics
+# have a small pool of their own for when the handshake pool is exhausted.
+
+# A request line must be complete this soon after accept (the whole head still has
+# handshake_timeout_s): an idle connection costs a slot for one second, not ten.
+FIRST_LINE_TIMEOUT_S = 1.0
+# Random early drop, like sshd's MaxStartups start:rate:full with start at half the pool
+# and full at the pool's limit: past `start` pending handshakes a new connection is refused
+# with probability `rate`, rising linearly to 1 at `full`.
+EARLY_DROP_START_FRACTION = 0.5
+EARLY_DROP_RATE = 0.3
+# Health and metrics requests that find the handshake pool (or their peer's share) full get
+# one of these slots instead, with a short deadline for their whole head: enough for a
+# prober, too few and too short-lived for a flood of fake probes to hold the daemon.
+PROBE_SLOTS = 8
+PROBE_SLOTS_PER_PEER = 2
+PROBE_HEAD_TIMEOUT_S = 1.0
+# Refused, dropped and timed-out pre-auth connections are counted and logged once per interval.
+REFUSAL_SUMMARY_INTERVAL_S = 10.0
+
+
+class PeerSlots:
+    """Pending handshakes per source address (pure bookkeeping; no sockets)."""
+
+    def __init__(self, per_peer: int) -> None:
+        self.per_peer = per_peer
+        self.pending: dict[str, int] = {}
+
+    def try_acquire(self, peer: str) -> bool:
+        count = self.pending.get(peer, 0)
+        if count >= self.per_peer:
+            return False
+        self.pending[peer] = count + 1
+        return True
+
+    def release(self, peer: str) -> None:
+        count = self.pending.get(peer, 0) - 1
+        if count > 0:
+            self.pending[peer] = count
+        else:
+            # Forget the address at zero, so the table holds only peers with a pending handshake.
+            self.pending.pop(peer, None)
+
+
+def early_drop(pending: int, *, start: int, rate: float, full: int, draw: Callable[[], float]) -> bool:
+    """Whether to refuse a new connection when `pending` handshakes are already in progress.
+    Below `start` never; at or past `full` always; between, with a probability rising
+    linearly from `rate` to 1. `draw` returns a uniform float in [0, 1)."""
+    if pending < start:
+        return False
+    if pending >= full:
+        return True
+    probability = rate + (1.0 - rate) * (pending - start) / (full - start)
+    return draw() < probability
+
+
+@dataclass(frozen=True, slots=True)
+class FrontLimits:
+    max_tcp_handshakes: int
+    max_unix_handshakes: int
+    max_handshakes_per_peer: int
+
+
+class Ticket:
+    """A taken slot (handshake or probe); release() is idempotent."""
+
+    def __init__(self, probe: bool, release: Callable[[], None]) -> None:
+        self.probe = probe
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        release = self._release
+        if release is not None:
+            self._release = None
+            release()
+
+
+class Refusals:
+    """Counts of refused, dropped and timed-out pre-auth connections, per reason."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def note(self, reason: str) -> None:
+        if not self.counts:
+            # The first of an interval, logged as it happens (the summary follows).
+            log.info("http.refused", reason=reason)
+        self.counts[reason] += 1
+
+    def drain(self) -> dict[str, int]:
+        counts, self.counts = dict(self.counts), Counter()
+        return counts
+
+
+class FrontBudgets:
+    """Which slot, if any, a new connection gets. Pure: the caller says the listener kind
+    and the peer's address; `draw` is the random source of early drop."""
+
+    def __init__(self, limits: FrontLimits, draw: Callable[[], float] = random.random) -> None:
+        self.tcp = HandshakeSlots(limits.max_tcp_handshakes)
+        self.unix = HandshakeSlots(limits.max_unix_handshakes)
+        self.tcp_peers = PeerSlots(limits.max_handshakes_per_peer)
+        self.probes = HandshakeSlots(PROBE_SLOTS)
+        self.probe_peers = PeerSlots(PROBE_SLOTS_PER_PEER)
+        self.refusals = Refusals()
+        self._draw = draw
+
+    def admit(self, peer: str | None) -> Ticket | None:
+        """A slot for a connection from `peer` (an IP address; None on the unix listener), or
+        None (refused; the reason is counted)."""
+        pool = self.unix if peer is None else self.tcp
+        reason = self._handshake_refusal(pool, peer)
+        if reason is None:
+            return Ticket(False, lambda: self._release(pool, self.tcp_peers, peer))
+        if self.probes.in_use < self.probes.limit and (peer is None or self.probe_peers.try_acquire(peer)):
+            self.probes.try_acquire()
+            return Ticket(True, lambda: self._release(self.probes, self.probe_peers, peer))
+        self.refusals.note(reason)
+        return None
+
+    def _handshake_refusal(self, pool: HandshakeSlots, peer: str | None) -> str | None:
+        start = int(pool.limit * EARLY_DROP_START_FRACTION)
+        if pool.in_use >= pool.limit:
+            return "handshakes_full"
+        if early_drop(pool.in_use, start=start, rate=EARLY_DROP_RATE, full=pool.limit, draw=self._draw):
+            return "early_drop"
+        if peer is not None and not self.tcp_peers.try_acquire(peer):
+            return "peer_limit"
+        pool.try_acquire()
+        return None
+
+    @staticmethod
+    def _release(pool: HandshakeSlots, peers: PeerSlots, peer: str | None) -> None:
+        pool.release()
+        if peer is not None:
+            peers.release(peer)
+
+
+def peer_address(stream: trio.abc.Stream) -> str | None:
+    """The peer's IP address on a TCP stream; None on a unix stream (or another kind)."""
+    sock = getattr(stream, "socket", None)
+    if sock is None or sock.family not in (stdlib_socket.AF_INET, stdlib_socket.AF_INET6):
+        return None
+    return str(sock.getpeername()[0])
+
+
 class ReplayStream(trio.abc.HalfCloseableStream):
     """Gives wsproto the request head we already read, then the live stream.
 
@@ -133,32 +286,36 @@ async def _answer_and_close(stream: trio.abc.HalfCloseableStream, response: byte
         await trio.aclose_forcefully(stream)
 
 
-async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp, slots: HandshakeSlots) -> None:
+async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp, budgets: FrontBudgets) -> None:
     """One accepted stream, from its first byte to its close. Never raises."""
-    if not slots.try_acquire():
+    try:
+        ticket = budgets.admit(peer_address(stream))
+    except OSError:  # the peer left before we asked its address
+        await trio.aclose_forcefully(stream)
+        return
+    if ticket is None:
         await _answer_and_close(stream, http_front.TOO_MANY_HANDSHAKES_RESPONSE)
         return
-    released = False
-
-    def release() -> None:
-        nonlocal released
-        if not released:
-            released = True
-            slots.release()
+    release = ticket.release
 
     try:
-        deadline = trio.current_time() + app.handshake_timeout_s
+        accepted = trio.current_time()
+        deadline = accepted + (PROBE_HEAD_TIMEOUT_S if ticket.probe else app.handshake_timeout_s)
+        first_line_deadline = min(deadline, accepted + FIRST_LINE_TIMEOUT_S)
         reader = http_front.HeadReader()
         head = None
+        line_done = False
         try:
-            with trio.fail_at(deadline):
-                while head is None:
+            while head is None:
+                with trio.move_on_at(deadline if line_done else first_line_deadline) as waited:
                     data = await stream.receive_some(RECEIVE_CHUNK_BYTES)
-                    head = reader.feed(bytes(data))
-        except trio.TooSlowError:
-            log.info("http.head_timeout")
-            await trio.aclose_forcefully(stream)
-            return
+                if waited.cancelled_caught:
+                    budgets.refusals.note("head_timeout" if line_done else "first_line_timeout")
+                    await trio.aclose_forcefully(stream)
+                    return
+                # Any LF ends the request line (h11 accepts bare LF too).
+                line_done = line_done or b"\n" in data
+                head = reader.feed(bytes(data))
         except http_front.HeadTooLarge:
             await _answer_and_close(stream, http_front.HEAD_TOO_LARGE_RESPONSE)
             return
@@ -180,6 +337,11 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
                     status, body, content_type=http_front.METRICS_CONTENT_TYPE
                 ),
             )
+            return
+        if ticket.probe:
+            # A probe slot answers health and metrics only: the handshake pool is full.
+            budgets.refusals.note("probe_not_health")
+            await _answer_and_close(stream, http_front.TOO_MANY_HANDSHAKES_RESPONSE)
             return
         if route is http_front.Route.BAD_UPGRADE:
             log.info("http.bad_request", reason=http_front.upgrade_framing_defect(head))
@@ -335,18 +497,30 @@ def remove_unix_paths(paths: list[str]) -> None:
             pass
 
 
+async def _summarise_refusals(refusals: Refusals) -> None:
+    """One line per interval with the counts, instead of one line per refused connection."""
+    while True:
+        await trio.sleep(REFUSAL_SUMMARY_INTERVAL_S)
+        counts = refusals.drain()
+        if counts:
+            log.info("http.refused_summary", interval_s=REFUSAL_SUMMARY_INTERVAL_S, **counts)
+
+
 async def serve(
     listeners: list[trio.SocketListener],
     app: ConnectionApp,
-    max_handshakes: int,
+    limits: FrontLimits,
     *,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Accept until cancelled. Connection tasks live in the nursery passed to
     serve_listeners, so cancelling this call ends them too."""
-    slots = HandshakeSlots(max_handshakes)
+    budgets = FrontBudgets(limits)
 
     async def handler(stream: trio.SocketStream) -> None:
-        await handle_stream(stream, app, slots)
+        await handle_stream(stream, app, budgets)
 
-    await trio.serve_listeners(handler, listeners, task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_summarise_refusals, budgets.refusals)
+        serving = await nursery.start(trio.serve_listeners, handler, listeners)
+        task_status.started(serving)
