@@ -114,8 +114,10 @@ HTTP_ERROR_MEANINGS: dict[str, str] = {
     ),
     REQUEST_HEAD_TOO_LARGE: "The request head is over 16,384 bytes, the terminating blank line included.",
     TOO_MANY_HANDSHAKES: (
-        "websocket.max_handshakes connections are already between accept and the end of their "
-        "handshake; retry shortly."
+        "The listener's pre-authentication budget is spent: its handshake pool is full "
+        "(websocket.max_handshakes for TCP, max_unix_handshakes for unix), the source address "
+        "holds websocket.max_handshakes_per_peer, or the connection fell to early drop while "
+        "the pool filled (§1.3); retry shortly."
     ),
     DRAINING: "Gate step 1: the supervisor is stopping.",
     TERMINATED: "Gate step 1: a bootstrap was rejected; the supervisor exits 78 and never serves again.",
