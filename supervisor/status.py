@@ -15,10 +15,9 @@ import trio
 
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 
-EXIT_OK = 0
-EXIT_CRASH = 1
-EXIT_CONFIG = 2
-EXIT_TERMINATED = 78  # the unit's RestartPreventExitStatus: a terminated sandbox stays down
+from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_TERMINATED
+
+__all__ = ["EXIT_CONFIG", "EXIT_CRASH", "EXIT_OK", "EXIT_TERMINATED", "DaemonStatus", "Lifecycle", "StopRequest"]
 
 
 class Lifecycle(enum.Enum):

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from joserfc import jwt
 from joserfc.jwk import KeySet
 
+from sandbox_supervisor.daemon.exits import EXIT_TERMINATED
 from sandbox_supervisor.daemon.ops import cli
 from sandbox_supervisor.daemon.ops.keys import (
     JWKS_FILENAME,
@@ -247,7 +248,7 @@ def test_serve_passes_the_overridden_config_to_serve_main(
 
 def test_serve_returns_serve_main_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_app = types.ModuleType("sandbox_supervisor.daemon.app")
-    fake_app.serve_main = lambda config: cli.EXIT_TERMINATED  # type: ignore[attr-defined]
+    fake_app.serve_main = lambda config: EXIT_TERMINATED  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sandbox_supervisor.daemon.app", fake_app)
     assert cli.main(["serve", "--config", str(write_config(tmp_path))]) == 78
 

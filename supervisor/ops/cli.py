@@ -16,15 +16,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_OK
 from sandbox_supervisor.daemon.config import ConfigError, SupervisorConfig, load_config, masked_dict
 
 PROG = "sandbox-supervisor"
 DISTRIBUTION = "sandbox-supervisor"
 # What --version says when the code runs without installed metadata (the same as /healthz).
 UNKNOWN_VERSION = "0+unknown"
-EXIT_OK = 0
-EXIT_BAD_CONFIG = 2  # bad configuration or arguments (argparse uses 2 as well)
-EXIT_TERMINATED = 78  # terminated after a bootstrap rejection; systemd does not restart it
 
 # serve flag (argparse dest) → dotted configuration key it overrides.
 SERVE_OVERRIDES = {
@@ -136,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on bad arguments, 0 on --help
         if exc.code is None:
             return EXIT_OK
-        return exc.code if isinstance(exc.code, int) else EXIT_BAD_CONFIG
+        return exc.code if isinstance(exc.code, int) else EXIT_CONFIG
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 
@@ -158,7 +156,7 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> SupervisorConf
 def _cmd_serve(args: argparse.Namespace) -> int:
     config = _load(args, build_serve_overrides(args))
     if config is None:
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     from sandbox_supervisor.daemon.app import serve_main
 
     return serve_main(config)
@@ -167,12 +165,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args, {})
     if config is None:
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     problems = _jwks_problems(config.authority.jwks_file)
     if problems:
         for key, message in problems:
             print(f"{key}: {message}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     print(json.dumps(masked_dict(config), indent=2))
     return EXIT_OK
 
@@ -206,10 +204,10 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
         key_path, jwks_path = write_key_pair(args.out_dir, args.kid, force=args.force)
     except (FileExistsError, ValueError) as exc:
         _error(str(exc))
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     except OSError as exc:
         _error(f"cannot write keys in {args.out_dir}: {exc.strerror}")
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     print(f"wrote {key_path} (private, mode 0600) and {jwks_path} (public)")
     return EXIT_OK
 
@@ -221,21 +219,21 @@ def _cmd_keys_mint(args: argparse.Namespace) -> int:
         jwk = load_signing_jwk(args.key)
     except KeyFileError as exc:
         _error(str(exc))
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     try:
         claims = json.loads(args.claims)
     except ValueError:
         _error("--claims is not JSON")
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     if not isinstance(claims, dict):
         _error("--claims must be a JSON object")
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     lifetime = DEFAULT_LIFETIME_S if args.lifetime is None else args.lifetime
     try:
         print(mint_assertion(jwk, claims, lifetime_s=lifetime))
     except ValueError as exc:
         _error(str(exc))
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     return EXIT_OK
 
 
@@ -252,7 +250,7 @@ def _cmd_install_units(args: argparse.Namespace) -> int:
         installed = install_units(args.root, force=args.force)
     except InstallUnitsError as exc:
         _error(str(exc))
-        return EXIT_BAD_CONFIG
+        return EXIT_CONFIG
     for item in installed:
         print(item.describe())
     return EXIT_OK
