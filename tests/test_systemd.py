@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from sandbox_supervisor.daemon.ops import cli
-from sandbox_supervisor.daemon.ops.cli import EXIT_TERMINATED
+from sandbox_supervisor.daemon.exits import EXIT_TERMINATED
 from sandbox_supervisor.daemon.config import ConfigError, ExecConfig, WebSocketConfig, load_config, parse_host_port
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime.oom import (
