@@ -259,6 +259,13 @@ def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
     except ValueError as exc:  # the user was removed since the configuration was loaded
         raise StartupError(f"exec.user: {exc}") from None
     if wanted is None:
+        if os.geteuid() == 0:
+            # The shipped unit runs the daemon as root: without [exec] user every command runs
+            # as root too (an upgraded image keeps its old configuration). Never silently.
+            log.warning(
+                "supervisor.commands_run_as_root",
+                reason="exec.user is not set and the daemon runs as root",
+            )
         return None
     if not can_switch_user():
         # Still useful without it (a developer's machine): run, but never silently.
@@ -269,7 +276,8 @@ def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
         )
         return None
     state_dir = Path(config.paths.state_dir)
-    guarded = [state_dir, state_dir / DB_FILENAME]
+    # The key set is the trust anchor: a user who could write it could add its own key.
+    guarded = [state_dir, state_dir / DB_FILENAME, Path(config.authority.jwks_file)]
     guarded += [Path(os.path.abspath(path)).parent for path in config.listen.unix]
     problems = writable_paths(guarded, wanted)
     if problems:

@@ -115,6 +115,20 @@ def test_budgets_drop_early_as_the_pool_fills():
     assert budgets.refusals.drain() == {}
 
 
+def test_an_idle_pool_of_one_and_the_unix_pool_never_drop_early():
+    """A draw that would drop every time: an idle one-slot TCP pool still admits (start is at
+    least 1), and the unix pool never draws at all (its peers are local processes)."""
+    budgets = FrontBudgets(
+        FrontLimits(max_tcp_handshakes=1, max_unix_handshakes=4, max_handshakes_per_peer=8),
+        draw=lambda: 0.0,
+    )
+    tcp = budgets.admit("10.0.0.1")
+    assert tcp is not None and not tcp.probe
+    unix = [budgets.admit(None) for _ in range(4)]
+    assert all(t is not None and not t.probe for t in unix)
+    assert budgets.refusals.drain() == {}
+
+
 def test_refusals_are_counted_and_drained_per_interval():
     refusals = Refusals()
     for reason in ["peer_limit", "peer_limit", "first_line_timeout"]:

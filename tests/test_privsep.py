@@ -236,7 +236,7 @@ async def test_a_daemon_that_cannot_switch_users_runs_as_itself_and_says_so(
 
 
 @needs_root
-@pytest.mark.parametrize("where", ["state_dir", "parent", "database", "socket_dir"])
+@pytest.mark.parametrize("where", ["state_dir", "parent", "database", "socket_dir", "jwks", "symlink_target"])
 def test_start_is_refused_when_the_user_could_write_the_state(open_root, authority, where) -> None:
     layout = separated_layout(open_root, authority)
     nogroup = agent().pw_gid
@@ -252,6 +252,19 @@ def test_start_is_refused_when_the_user_could_write_the_state(open_root, authori
     elif where == "database":
         target = layout.state_dir / DB_FILENAME
         os.chown(target, agent().pw_uid, 0)
+    elif where == "jwks":
+        # The trust anchor: a user who could write the key set could add its own key.
+        target = layout.jwks_file
+        os.chown(target, agent().pw_uid, 0)
+    elif where == "symlink_target":
+        # The state dir named through a symlink whose target sits in a directory the user owns.
+        home = open_root / "agent-home"
+        home.mkdir()
+        os.chown(home, agent().pw_uid, 0)
+        real = home / "state"
+        layout.state_dir.rename(real)
+        layout.state_dir.symlink_to(real)
+        target = home
     else:
         sockets = open_root / "sockets"
         sockets.mkdir()
@@ -260,6 +273,15 @@ def test_start_is_refused_when_the_user_could_write_the_state(open_root, authori
         target = sockets
     with pytest.raises(StartupError, match=f"{target} is writable by the command user"):
         command_identity(layout.config())
+
+
+@needs_root
+def test_a_root_daemon_without_exec_user_says_commands_run_as_root(open_root, authority, log_lines) -> None:
+    layout = separated_layout(open_root, authority)
+    layout.settings["exec"] = {}
+    assert command_identity(layout.config()) is None
+    warnings = [line for line in log_lines() if line.get("event") == "supervisor.commands_run_as_root"]
+    assert len(warnings) == 1 and warnings[0]["level"] == "warning"
 
 
 @needs_root

@@ -205,10 +205,14 @@ class FrontBudgets:
         return None
 
     def _handshake_refusal(self, pool: HandshakeSlots, peer: str | None) -> str | None:
-        start = int(pool.limit * EARLY_DROP_START_FRACTION)
+        # At least 1: a pool of one slot must not drop connections while it is idle.
+        start = max(1, int(pool.limit * EARLY_DROP_START_FRACTION))
         if pool.in_use >= pool.limit:
             return "handshakes_full"
-        if early_drop(pool.in_use, start=start, rate=EARLY_DROP_RATE, full=pool.limit, draw=self._draw):
+        # TCP only: the unix socket's peers are local processes with file access to it.
+        if peer is not None and early_drop(
+            pool.in_use, start=start, rate=EARLY_DROP_RATE, full=pool.limit, draw=self._draw
+        ):
             return "early_drop"
         if peer is not None and not self.tcp_peers.try_acquire(peer):
             return "peer_limit"

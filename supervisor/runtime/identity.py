@@ -189,7 +189,10 @@ def writable_paths(paths: Iterable[Path], identity: CommandIdentity) -> list[str
         existing = Path(os.path.abspath(path))
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
-        for problem in unsafe_paths(_chain(existing), identity):
+        # The path as written and as resolved: a symlink whose target sits in a directory the
+        # user can write is as unsafe as that directory itself.
+        chains = [_chain(existing), _chain(Path(os.path.realpath(existing)))]
+        for problem in (p for chain in chains for p in unsafe_paths(chain, identity)):
             if problem not in problems:
                 problems.append(problem)
     return problems

@@ -81,7 +81,8 @@ class ProcessGroup:
         With an `identity`, the child drops to that uid, gid and exactly those supplementary
         groups (setgroups, setgid, setuid, in the child after fork and setsid, before exec), so
         the wrapper already runs as the user: raising one's own oom_score_adj needs no
-        privilege. The chdir to `cwd` happens after the switch, as the user.
+        privilege. CPython changes to `cwd` before it switches ids, so a `cwd` the user cannot
+        enter still starts (the command then cannot list it); the jail keeps `cwd` in the workspace.
         """
         process = await trio.lowlevel.open_process(
             with_oom_score_adj(argv),
