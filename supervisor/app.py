@@ -13,7 +13,6 @@ import os
 import signal
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import structlog
@@ -55,6 +54,7 @@ from sandbox_supervisor.daemon.status import (
     Lifecycle,
 )
 from sandbox_supervisor.daemon.telemetry import Telemetry
+from sandbox_supervisor.daemon.version import UNKNOWN_VERSION, installed_version
 
 __all__ = ["EXIT_CONFIG", "EXIT_CRASH", "EXIT_OK", "EXIT_TERMINATED", "Daemon", "run_supervisor", "serve_main"]
 
@@ -64,13 +64,6 @@ LISTENING_FILE = "listening.json"
 # After the process groups are gone, how long the stop waits for their calls to journal
 # exec.completed + tool.result (the completion grace is 200 ms).
 STOP_COMPLETION_BUDGET_S = 1.0
-
-
-def supervisor_version() -> str:
-    try:
-        return metadata.version("sandbox-supervisor")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class StartupError(Exception):
@@ -144,7 +137,7 @@ def assemble(
     """The parts that need no nursery."""
     binding = store.binding()
     status = DaemonStatus(
-        version=supervisor_version(),
+        version=installed_version() or UNKNOWN_VERSION,
         session=BootstrapBody.model_validate_json(binding.body_json) if binding else None,
         fence_generation=store.snapshot().fence_generation,
         privilege_separation=command_identity is not None,

@@ -12,17 +12,15 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_OK
+from sandbox_supervisor.daemon.version import UNKNOWN_VERSION, installed_version
 from sandbox_supervisor.daemon.config import ConfigError, SupervisorConfig, load_config, masked_dict
 
 PROG = "sandbox-supervisor"
-DISTRIBUTION = "sandbox-supervisor"
 # What --version says when the code runs without installed metadata (the same as /healthz).
-UNKNOWN_VERSION = "0+unknown"
 
 # serve flag (argparse dest) → dotted configuration key it overrides.
 SERVE_OVERRIDES = {
@@ -49,17 +47,9 @@ def build_serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def installed_version() -> str:
-    """The installed distribution's version, from its metadata (never a second copy in code)."""
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        return UNKNOWN_VERSION
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="In-sandbox supervisor daemon.")
-    parser.add_argument("--version", action="version", version=f"{PROG} {installed_version()}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {installed_version() or UNKNOWN_VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the daemon")

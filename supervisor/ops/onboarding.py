@@ -55,8 +55,8 @@ from sandbox_supervisor.protocol.onboarding import (
     TemplateOnboarding,
     format_utc,
 )
+from sandbox_supervisor.daemon.version import DISTRIBUTION, installed_version
 from sandbox_supervisor.daemon.ops.shipped import (  # noqa: F401 - RUNTIME_PACKAGES re-exported
-    DISTRIBUTION,
     RUNTIME_PACKAGES,
     ShippedFilesError,
     installed_files,
@@ -209,11 +209,9 @@ def entry_point_path() -> Path:
     return Path(sysconfig.get_path("scripts")) / CONSOLE_SCRIPT
 
 
-def installed_version() -> str:
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        return ""  # refused by the model: a record needs a real version
+def record_version() -> str:
+    # "" when the metadata is missing: refused by the model, a record needs a real version.
+    return installed_version() or ""
 
 
 def build_sha(
@@ -367,7 +365,7 @@ def build_record(
         "owner": {key: value for key, value in owner.items() if value is not None},
         "provider": provider,
         "templateId": template_id,
-        "supervisor": {"version": installed_version(), "sha": sha or STAND_IN_SHA1},
+        "supervisor": {"version": record_version(), "sha": sha or STAND_IN_SHA1},
         "supervisorEntrySha256": entry_sha or STAND_IN_SHA256,
         "runtimeHash": runtime or STAND_IN_SHA256,
         "components": parsed_components,

@@ -37,7 +37,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-DISTRIBUTION = "sandbox-supervisor"
+from sandbox_supervisor.daemon.version import DISTRIBUTION
+
 # Every package the distribution installs lives under this (PEP 420) namespace.
 IMPORT_NAMESPACE = "sandbox_supervisor"
 RUNTIME_PACKAGES = (
