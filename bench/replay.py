@@ -85,7 +85,7 @@ async def run(mode: Mode, workdir: Path) -> Result:
     finally:
         store.close()
     first_seq, last_seq = rows[0][0], rows[-1][0]
-    frame_bytes = sum(len(frame.encode()) for _, frame in rows) / count
+    frame_bytes = sum(len(row.frame.encode()) for row in rows) / count
 
     measured: list[float] = []
     floor: list[float] = []

@@ -27,6 +27,7 @@ REJECTION_RECEIPT_REASON = "bootstrap rejection received"
 SEND_FAILED_REASON = "Supervisor could not send a frame."
 INTERNAL_REASON = "Supervisor internal error."
 TOO_BIG_REASON = "Message is larger than the limit."
+BIND_FORBIDDEN_REASON = "Binding the session needs the session:control scope."
 # Not ours: trio-websocket's text when a message passes its own limit, which it counts in
 # characters while the message arrives. Shown with the default websocket.max_message_bytes;
 # the number is the configured limit.
@@ -59,6 +60,7 @@ CLOSES: tuple[Close, ...] = (
     Close(CLOSE_PROTOCOL_ERROR, EXPECTED_BOOTSTRAP_REASON, "supervisor", "the first frame is not a valid session.bootstrap"),
     Close(CLOSE_UNSUPPORTED_DATA, BINARY_REASON, "supervisor", "a binary message arrived"),
     Close(CLOSE_POLICY_VIOLATION, BOOTSTRAP_MISMATCH_REASON, "supervisor", "the bootstrap's sessionId or generation differs from the upgrade's headers"),
+    Close(CLOSE_POLICY_VIOLATION, BIND_FORBIDDEN_REASON, "supervisor", "the first session.bootstrap would bind the session, or differs from its binding, and the assertion lacks session:control (nothing is bound or terminated)"),
     Close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON, "supervisor", "a newer upgrade moved the fence or took the session"),
     Close(CLOSE_MESSAGE_TOO_BIG, LIBRARY_TOO_BIG_REASON, "supervisor", "a message of more than websocket.max_message_bytes characters, stopped by the WebSocket library while it arrives"),
     Close(CLOSE_MESSAGE_TOO_BIG, TOO_BIG_REASON, "supervisor", "a text message of at most websocket.max_message_bytes characters whose UTF-8 is longer than that many bytes"),

@@ -160,7 +160,11 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
         "connectionGeneration is not the fenced generation."
     ),
     ACK_AHEAD: "events.ack above the highest journaled seq; the floor is unchanged.",
-    FORBIDDEN: "exec.signal or exec.read_output on a connection without the shell:exec scope.",
+    FORBIDDEN: (
+        "exec.signal or exec.read_output on a connection without the shell:exec scope; "
+        "events.ack, or a session.bootstrap that would bind or rebind the session, on a "
+        "connection without the session:control scope (nothing changed)."
+    ),
     UNKNOWN_CALL: (
         "exec.signal or exec.read_output for a call_id without a spool directory: no command "
         "was attempted under it, or its spool was pruned."

@@ -53,7 +53,11 @@ Seq = Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
 Count = Annotated[int, Field(ge=0, le=MAX_SAFE_INTEGER)]
 Generation = Annotated[int, Field(ge=1, le=MAX_SAFE_INTEGER)]
 
-Scope = Literal["files:read", "files:write", "shell:exec"]
+Scope = Literal["files:read", "files:write", "shell:exec", "session:control"]
+# The scope of the session itself, not of a tool (docs/protocol.md §3.2): binding the session
+# (and so rebinding it, which terminates the sandbox) and pruning the journal with events.ack.
+# The control plane grants it to its own sessions; a delegated assertion goes without.
+SESSION_CONTROL: Literal["session:control"] = "session:control"
 
 
 def is_scope(value: str) -> TypeGuard[Scope]:

@@ -62,6 +62,9 @@ EXEC_OUTPUT: Final = "exec.output"
 EXEC_COMPLETED: Final = "exec.completed"
 TOOL_RESULT: Final = "tool.result"
 EVENT_KINDS = frozenset({EXEC_STARTED, EXEC_OUTPUT, EXEC_COMPLETED, TOOL_RESULT})
+# In place of a journaled event the socket's assertion does not let it see (§9.1): the seq
+# alone. Never journaled itself; each socket's sender writes it.
+EVENT_WITHHELD: Final = "event.withheld"
 SERVER_KINDS = frozenset(
     {
         RUNTIME_STATE,
@@ -70,6 +73,7 @@ SERVER_KINDS = frozenset(
         TOOL_REPLAYED,
         EXEC_OUTPUT_PAGE,
         ERROR,
+        EVENT_WITHHELD,
         *EVENT_KINDS,
     }
 )
@@ -310,6 +314,24 @@ class ToolResultEvent(ServerFrameBase):
     body: ToolResultBody
 
 
+class EventWithheldBody(StrictModel):
+    """Empty on purpose: nothing of the withheld event is told, not even its kind."""
+
+
+_WITHHELD_BODY = EventWithheldBody()
+
+
+class EventWithheldEvent(ServerFrameBase):
+    kind: Literal["event.withheld"] = EVENT_WITHHELD
+    seq: Seq
+    body: EventWithheldBody
+
+
+def encode_withheld(seq: int) -> str:
+    """The placeholder a socket gets for event `seq` outside its view (§9.1)."""
+    return encode_frame(EventWithheldEvent(seq=seq, body=_WITHHELD_BODY))
+
+
 class ToolPendingBody(StrictModel):
     call_id: CallId  # the retry's call_id
     idempotency_key: IdempotencyKey
@@ -342,6 +364,7 @@ ServerFrameModel = (
     | ExecOutputEvent
     | ExecCompletedEvent
     | ToolResultEvent
+    | EventWithheldEvent
 )
 ServerFrame = Annotated[ServerFrameModel, Field(discriminator="kind")]
 

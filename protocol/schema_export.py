@@ -45,6 +45,7 @@ EXPORTED: dict[str, Any] = {
     "ExecOutputEvent": frames.ExecOutputEvent,
     "ExecCompletedEvent": frames.ExecCompletedEvent,
     "ToolResultEvent": frames.ToolResultEvent,
+    "EventWithheldEvent": frames.EventWithheldEvent,
     "ServerFrame": frames.ServerFrame,
     # tool calls (the body of a tool.call frame) and their parameters and results
     "ToolCallBody": tools.ToolCallBody,

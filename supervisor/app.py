@@ -208,6 +208,7 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
             max_message_bytes=ws.max_message_bytes,
             drain_budget_s=ws.drain_budget_s,
             rejection_receipt_timeout_s=config.bootstrap.rejection_receipt_timeout_s,
+            legacy_session_control=config.authority.legacy_session_control,
         ),
         binding_rules=BindingRules(
             workspace_root=Path(config.paths.workspace_root), allowed_profiles=config.bootstrap.profiles

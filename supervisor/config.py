@@ -120,6 +120,9 @@ class AuthorityConfig(_Section):
     jwks_file: LaxPath
     leeway_s: int = Field(default=30, ge=0)
     max_lifetime_s: PositiveInt = 300
+    # Every admitted assertion holds session:control, as before that scope existed: only for
+    # the rollout of a control plane that does not grant it yet (docs/operations.md).
+    legacy_session_control: bool = False
 
 
 class WebSocketConfig(_Section):

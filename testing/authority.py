@@ -41,7 +41,7 @@ __all__ = [
 
 DEFAULT_KID = "test-key-1"
 DEFAULT_ISSUER = "https://control-plane.test"
-ALL_SCOPES = "files:read files:write shell:exec"
+ALL_SCOPES = "files:read files:write shell:exec session:control"
 DEFAULT_LIFETIME_S = 120
 RSA_TEST_KEY_BITS = 2048
 P256_COORDINATE_BYTES = 32

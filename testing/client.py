@@ -24,7 +24,7 @@ from sandbox_supervisor.protocol import headers as H
 from sandbox_supervisor.protocol.addresses import format_host_port, parse_host_port
 from sandbox_supervisor.protocol.closes import CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON
 from sandbox_supervisor.testing._groups import single_leaf
-from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.authority import ALL_SCOPES, LoopbackAuthority
 
 DEFAULT_CONTROL_PATH = "/v1/control"
 CONNECT_TIMEOUT_S = 10.0
@@ -249,7 +249,7 @@ class ControlClient:
         sandbox_id: str,
         session_id: str = "session-1",
         session_sandbox_id: str = "session-sandbox-1",
-        scope: str = "files:read files:write shell:exec",
+        scope: str = ALL_SCOPES,
         path: str = DEFAULT_CONTROL_PATH,
     ) -> None:
         self.endpoint = endpoint

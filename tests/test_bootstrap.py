@@ -66,7 +66,7 @@ async def test_generation_mismatch_closes_1008(daemon):
 
 
 async def test_accepted_bootstrap_reports_every_runtime_state_field(daemon, transport):
-    client = daemon.client(daemon.tcp if transport == "tcp" else daemon.unix, scope="files:read shell:exec")
+    client = daemon.client(daemon.tcp if transport == "tcp" else daemon.unix, scope="files:read shell:exec session:control")
     async with client.connect(generation=3) as session:
         state = await session.bootstrap(body(daemon))
     assert state["kind"] == "runtime.state"
@@ -79,7 +79,7 @@ async def test_accepted_bootstrap_reports_every_runtime_state_field(daemon, tran
         "oldestRetainedSeq": 1,
         "supervisorVersion": daemon.supervisor.status.version,
         "protocolVersion": 1,
-        "scopes": ["files:read", "shell:exec"],
+        "scopes": ["files:read", "session:control", "shell:exec"],
     }
     binding = daemon.supervisor.store.binding()
     assert binding is not None and binding.session_id == client.session_id

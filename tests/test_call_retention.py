@@ -204,8 +204,10 @@ async def test_repeated_large_keyed_reads_stay_within_the_budget(tmp_path: Path)
             assert frame["kind"] == "tool.result"
             conn = sqlite3.connect(layout.state_dir / DB_FILENAME)
             try:
+                # Each result is stored once: in the journal row its record points at.
                 stored = conn.execute(
-                    "SELECT COUNT(*), SUM(length(CAST(result_frame AS BLOB))) FROM idempotency").fetchone()
+                    "SELECT COUNT(*), SUM(length(CAST(e.frame_json AS BLOB))) FROM idempotency AS i"
+                    " JOIN events AS e ON e.seq = i.result_seq").fetchone()
                 counter = int(conn.execute("SELECT value FROM meta WHERE key = ?",
                                            (META_CALL_RESULT_BYTES,)).fetchone()[0])
             finally:

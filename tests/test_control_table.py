@@ -12,6 +12,7 @@ from sandbox_supervisor.daemon.session.control import (
     Acknowledge,
     Bind,
     BindFailed,
+    BindNotAllowed,
     BindRefused,
     Bound,
     ChannelState,
@@ -50,7 +51,9 @@ BAD = FrameError(errors.INVALID_FRAME, "Frame is not valid JSON.")
 UNKNOWN = FrameError(errors.UNKNOWN_KIND, "Frame kind is not known.", call_id=CALL_ID)
 
 
-def channel(state: ChannelState = ChannelState.AWAITING_BOOTSTRAP, scopes=("files:read", "shell:exec")) -> ControlChannel:
+def channel(
+    state: ChannelState = ChannelState.AWAITING_BOOTSTRAP, scopes=("files:read", "shell:exec", "session:control")
+) -> ControlChannel:
     machine = ControlChannel(SESSION, GENERATION, scopes)
     machine.state = state
     return machine
@@ -64,7 +67,7 @@ def close(code: int, reason: str) -> list:
 
 FIRST_FRAME = [
     # (frame, holds_fence, actions, next state)
-    (BOOTSTRAP, True, [Bind(BootstrapBody.model_validate(BODY))], ChannelState.BINDING),
+    (BOOTSTRAP, True, [Bind(BootstrapBody.model_validate(BODY), may_bind=True)], ChannelState.BINDING),
     (BOOTSTRAP, False, close(1008, closes.SUPERSEDED_REASON), ChannelState.CLOSED),
     (frame("session.bootstrap", {**BODY, "sessionId": "other"}), True, close(1008, closes.BOOTSTRAP_MISMATCH_REASON), ChannelState.CLOSED),
     (frame("session.bootstrap", BODY, generation=GENERATION + 1), True, close(1008, closes.BOOTSTRAP_MISMATCH_REASON), ChannelState.CLOSED),
@@ -82,12 +85,24 @@ def test_first_frame(event, holds_fence, actions, state):
     assert machine.state is state
 
 
+def test_a_first_bootstrap_without_session_control_may_only_attach():
+    # The binding decides (an identical body still attaches); the machine says it may not bind.
+    machine = channel(scopes=("files:read",))
+    assert machine.receive_frame(BOOTSTRAP, holds_fence=True) == [Bind(BootstrapBody.model_validate(BODY), may_bind=False)]
+
+
 def test_a_mismatched_first_bootstrap_is_refused_before_the_fence_is_asked():
     # Order of the checks: a mismatch is reported as a mismatch even when the socket is
     # also fenced out (the peer's error is the more useful one).
     machine = channel()
     mismatch = frame("session.bootstrap", {**BODY, "sessionId": "other"})
     assert machine.receive_frame(mismatch, holds_fence=False) == close(1008, closes.BOOTSTRAP_MISMATCH_REASON)
+
+
+def error(code: str, message: str, call_id: str | None = None) -> list:
+    from sandbox_supervisor.daemon.session.control import error_reply
+
+    return [error_reply(code, message, call_id)]
 
 
 # --- binding -------------------------------------------------------------------------------
@@ -98,6 +113,9 @@ BINDING = [
     (Bound(BODY_MODEL, False), [SendReadiness(BODY_MODEL, False)], ChannelState.ATTACHED),
     (BindRefused(errors.CWD_INVALID, "no"), [Reject(errors.CWD_INVALID, "no")], ChannelState.REJECTING),
     (BindFailed(), close(1011, closes.INTERNAL_REASON), ChannelState.CLOSED),
+    # A first bootstrap that would bind without session:control: refused, closed, nothing terminates.
+    (BindNotAllowed(), [*error(errors.FORBIDDEN, "Binding or rebinding the session needs the session:control scope; nothing changed."),
+                        *close(1008, closes.BIND_FORBIDDEN_REASON)], ChannelState.CLOSED),
 ]
 
 
@@ -106,6 +124,15 @@ def test_binding_outcome(outcome, actions, state):
     machine = channel(ChannelState.BINDING)
     assert machine.binding_decided(outcome) == actions
     assert machine.state is state
+
+
+def test_a_refused_rebinding_leaves_the_socket_attached():
+    machine = channel(ChannelState.ATTACHED, scopes=("files:read",))
+    assert machine.receive_frame(BOOTSTRAP, holds_fence=True) == [Bind(BODY_MODEL, may_bind=False)]
+    assert machine.binding_decided(BindNotAllowed()) == error(
+        errors.FORBIDDEN, "Binding or rebinding the session needs the session:control scope; nothing changed."
+    )
+    assert machine.state is ChannelState.ATTACHED
 
 
 def test_a_binding_outcome_after_a_close_request_does_nothing():
@@ -135,12 +162,6 @@ def test_state_that_cannot_be_read_for_an_answer_closes_1011(state):
 # --- attached --------------------------------------------------------------------------------
 
 
-def error(code: str, message: str, call_id: str | None = None) -> list:
-    from sandbox_supervisor.daemon.session.control import error_reply
-
-    return [error_reply(code, message, call_id)]
-
-
 ATTACHED = [
     # (frame, holds_fence, scopes, actions, next state)
     (TOOL_CALL, True, None, [SubmitCall(TOOL_CALL.body, GENERATION)], ChannelState.ATTACHED),
@@ -149,7 +170,11 @@ ATTACHED = [
     (READ_OUTPUT, True, None, [RunExec(READ_OUTPUT)], ChannelState.ATTACHED),
     (SIGNAL, True, ("files:read",), error(errors.FORBIDDEN, "The connection lacks the shell:exec scope.", CALL_ID), ChannelState.ATTACHED),
     (READ_OUTPUT, True, ("files:read",), error(errors.FORBIDDEN, "The connection lacks the shell:exec scope.", CALL_ID), ChannelState.ATTACHED),
-    (BOOTSTRAP, True, None, [Bind(BODY_MODEL)], ChannelState.BINDING),
+    (BOOTSTRAP, True, None, [Bind(BODY_MODEL, may_bind=True)], ChannelState.BINDING),
+    (BOOTSTRAP, True, ("files:read",), [Bind(BODY_MODEL, may_bind=False)], ChannelState.BINDING),
+    # Pruning needs the session's authority (§9): refused, the floor stays.
+    (ACK, True, ("files:read", "shell:exec"),
+     error(errors.FORBIDDEN, "events.ack needs the session:control scope; the ack floor did not move."), ChannelState.ATTACHED),
     (frame("session.bootstrap", {**BODY, "sessionId": "other"}), True, None,
      error(errors.INVALID_FRAME, "Bootstrap sessionId does not match the session."), ChannelState.ATTACHED),
     (BAD, True, None, error(errors.INVALID_FRAME, "Frame is not valid JSON."), ChannelState.ATTACHED),

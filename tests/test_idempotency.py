@@ -23,7 +23,7 @@ def create_call(path: str, text: str) -> dict:
 
 
 def record(state: str, digest: str) -> CallRecord:
-    return CallRecord("k", "read_file", digest, str(uuid.uuid4()), state, None, None, None)
+    return CallRecord("k", "read_file", digest, str(uuid.uuid4()), state, None, None, None, None)
 
 
 def test_outcome_decision_table():
@@ -152,7 +152,10 @@ async def test_invalid_calls_get_typed_answers(daemon):
 
 
 async def test_missing_scope_is_forbidden(daemon):
-    client = daemon.client(scope="files:read")
+    client = daemon.client()
+    async with client.connect() as owner:  # the control plane binds the session
+        await owner.bootstrap(cwd=str(daemon.layout.workspace))
+    client.scope = "files:read"  # then a delegated, read-only assertion attaches
     async with client.connect() as session:
         await session.bootstrap(cwd=str(daemon.layout.workspace))
         result = await session.call_and_wait(

@@ -166,9 +166,9 @@ def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_pa
         journal = Journal(store)
         for _ in range(40):
             journal.append([("tool.result", tool_result(content=big))])
-        held = sum(len(frame) for _, frame in journal.recent)
+        held = sum(len(row.frame) for row in journal.recent)
         assert 0 < held <= RECENT_MAX_CHARS
-        seqs = [seq for seq, _ in journal.recent]
+        seqs = [row.seq for row in journal.recent]
         assert seqs == list(range(seqs[0], 41))  # dense, ending at the newest
         for after in (0, 20, seqs[0] - 1, seqs[0], 39):
             assert journal.frames_after(after, 8) == store.events_after(after, 8)
@@ -177,7 +177,7 @@ def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_pa
         assert len(journal.frames_after(seqs[0] - 1, 8, 1_000_000)) == 3
         assert len(journal.frames_after(seqs[0] - 1, 8, 1)) == 1
         journal.acknowledge(38)
-        assert [seq for seq, _ in journal.recent] == [39, 40]
+        assert [row.seq for row in journal.recent] == [39, 40]
 
 
 async def test_large_results_do_not_pin_daemon_memory(tmp_path, authority):

@@ -106,15 +106,15 @@ def test_a_version_1_journal_is_migrated_with_its_events_intact(state_dir: Path)
     with StateStore.open(state_dir) as migrated:
         assert migrated.events_after(0, 10) == old_frames
         rows = migrated.append_events([("tool.result", tool_result())])
-        assert [seq for seq, _ in rows] == [4]
+        assert [row.seq for row in rows] == [4]
         assert migrated.recorded_processes() == []  # the table exists now
     conn = sqlite3.connect(state_dir / DB_FILENAME)
     try:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
     finally:
         conn.close()
-    assert columns == ["seq", "kind", "frame_json", "created_at"]
+    assert columns == ["seq", "kind", "frame_json", "created_at", "scope", "path"]
 
 
 def test_fresh_snapshot_is_unbound_and_empty(store: StateStore) -> None:
@@ -212,12 +212,12 @@ def test_append_events_assigns_dense_seqs_and_returns_stored_frames(store: State
               "offset": 0, "bytes": 6, "truncated": False, "dropped_bytes": 0, "after_exit": False}
     frames = store.append_events([("exec.output", output), ("tool.result", tool_result(n=1))], now=NOW)
     body = json.dumps(output, separators=(",", ":"), ensure_ascii=False)
-    assert frames[0] == (1, '{"kind":"exec.output","seq":1,"body":' + body + "}")
+    assert frames[0][:2] == (1, '{"kind":"exec.output","seq":1,"body":' + body + "}")
     assert frames[1][0] == 2 and json.loads(frames[1][1]) == {"kind": "tool.result", "seq": 2, "body": tool_result(n=1)}
     third = store.append_events([("tool.result", tool_result(n=3))])
     assert third[0][0] == 3
-    assert store.events_after(0, 10) == [*frames, *third]
-    assert store.events_after(1, 1) == [frames[1]]
+    assert store.events_after(0, 10) == [row[:2] for row in (*frames, *third)]
+    assert store.events_after(1, 1) == [frames[1][:2]]
     assert store.append_events([]) == []
     assert store.snapshot().local_event_max == 3
 
@@ -239,7 +239,7 @@ def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
         # Everything pruned: oldest retained is one past the max, and the max is kept.
         assert (snap.local_event_max, snap.oldest_retained_seq) == (5, 6)
     with StateStore.open(state_dir) as store:
-        assert [seq for seq, _ in store.append_events([("tool.result", tool_result()), ("tool.result", tool_result())])] == [6, 7]
+        assert [row.seq for row in store.append_events([("tool.result", tool_result()), ("tool.result", tool_result())])] == [6, 7]
         snap = store.snapshot()
         assert (snap.local_event_max, snap.oldest_retained_seq, snap.ack_floor) == (7, 6, 5)
 
@@ -342,6 +342,8 @@ def test_writes_survive_kill_9_of_the_writer(state_dir: Path) -> None:
         assert snap.bound_session_id == "session-k"
         assert (snap.local_event_max, snap.ack_floor) == (3, 2)
         assert store.jti_seen("jti-7", 1.7e9)
-        assert [json.loads(f)["body"]["result"] for _, f in store.events_after(0, 10)] == [
-            {"n": 0}, {"n": 1}, {"n": 2}
-        ]
+        # All three committed; those at or below the floor are kept (no prune ran) but are
+        # no longer replayed.
+        stored = store._conn.execute("SELECT frame_json FROM events ORDER BY seq").fetchall()
+        assert [json.loads(f)["body"]["result"] for (f,) in stored] == [{"n": 0}, {"n": 1}, {"n": 2}]
+        assert [seq for seq, _ in store.events_after(0, 10)] == [3]

@@ -38,7 +38,8 @@ from sandbox_supervisor.daemon.runtime.tool import (
     result_body,
 )
 from sandbox_supervisor.daemon.state.journal import Journal
-from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import CallRecord, JournalRow, StateStore, StoreError
+from sandbox_supervisor.daemon.state.visibility import PUBLIC, EventView, result_view, visible
 from sandbox_supervisor.daemon.telemetry import Telemetry
 
 __all__ = ["CallContext", "CallRunner", "Outcome", "RunningCall", "SendReply", "error_frame", "idempotency_outcome"]
@@ -66,6 +67,9 @@ UNJOURNALED_KEYED_MESSAGE = (
 )
 NOT_RECORDED_MESSAGE = "The supervisor could not record the call; nothing was run."
 KEY_REUSED_MESSAGE = "The idempotency key was used for a different call."
+# A retry whose first result lies outside the retrying socket's allowed_paths: refused as the
+# jail refuses the same call run fresh, so a key never reads what the path rules hide.
+REPLAY_OUTSIDE_MESSAGE = "The call's recorded result is not under any of allowed_paths."
 TOOL_CRASHED_MESSAGE = "The supervisor failed to run the tool."
 
 
@@ -164,9 +168,10 @@ class CallRunner:
             tool = body["tool_name"] if body["tool_name"] in self.tools else "unknown"
             self.telemetry.tool_call(tool, "success" if body["ok"] else body["error"]["code"])
 
-    def _journal_refusal(self, body: dict[str, Any]) -> None:
-        """A refusal that claimed no key (invalid, forbidden, key reused): journaled only."""
-        self.journal.complete_call(None, body)
+    def _journal_refusal(self, body: dict[str, Any], view: EventView = PUBLIC) -> None:
+        """A refusal that claimed no key (invalid, forbidden, key reused): journaled only.
+        Public by default: it tells only what its caller sent (docs/protocol.md §9.1)."""
+        self.journal.complete_call(None, body, view=view)
         self._count(body)
 
     async def submit(
@@ -261,6 +266,9 @@ class CallRunner:
             return False
         if outcome is Outcome.REPLAY:
             assert existing is not None and existing.result_frame is not None
+            if not self._may_see(existing.result_view, context):
+                self._refuse_replay(call)
+                return False
             await reply(encode_replayed(call.call_id, key, existing.result_frame))
             return False
         # JOURNAL_KEPT: the first execution finished but its result was not journaled.
@@ -274,8 +282,23 @@ class CallRunner:
             # A refusal that ran nothing was journaled and freed the key with it: this call
             # is then a new execution, as it would have been at once.
             return await self._claim(call, context, reply)
+        if not self._may_see(_view(kept.running, kept.body), context):
+            self._refuse_replay(call)
+            return False
         await reply(encode_replayed(call.call_id, key, frame))
         return False
+
+    @staticmethod
+    def _may_see(view: EventView | None, context: CallContext) -> bool:
+        return context.audience is None or (view is not None and visible(view, context.audience))
+
+    def _refuse_replay(self, call: ToolCall) -> None:
+        """A retry may only replay what its socket could see (docs/protocol.md §8, §9.1): the
+        scope check has passed, so what hides the result is the path rule, and the answer is
+        the one the jail gives the same call run fresh. The record is left as it is."""
+        error = {"code": errors.PATH_OUTSIDE_WORKSPACE, "message": REPLAY_OUTSIDE_MESSAGE}
+        body = result_body(call.call_id, call.idempotency_key, call.tool_name, error=error)
+        self._journal_refusal(body, result_view(call.tool_name, errors.PATH_OUTSIDE_WORKSPACE, None))
 
     async def _run(self, running: RunningCall, tool: Tool) -> None:
         try:
@@ -388,8 +411,15 @@ class CallRunner:
         )
         return rows[-1][1]
 
-    def _journal(self, running: RunningCall, body: dict[str, Any]) -> list[tuple[int, str]]:
+    def _journal(self, running: RunningCall, body: dict[str, Any]) -> list[JournalRow]:
         key = running.call.idempotency_key
+        view = _view(running, body)
         if key is not None and frees_key(running, body):
-            return self.journal.release_call(key, body)
-        return self.journal.complete_call(key, body, running.final_events)
+            return self.journal.release_call(key, body, view)
+        return self.journal.complete_call(key, body, running.final_events, view)
+
+
+def _view(running: RunningCall, body: dict[str, Any]) -> EventView:
+    """Who may see this call's tool.result: its tool's scope, and the path it touched."""
+    error = body.get("error") or {}
+    return result_view(body["tool_name"], error.get("code"), running.view_path)

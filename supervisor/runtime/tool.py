@@ -21,6 +21,7 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.tools import ToolCall, ToolSpec
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
+from sandbox_supervisor.daemon.state.visibility import Audience
 
 # Sends one encoded, non-journaled frame to the socket that sent a call.
 SendReply = Callable[[str], Awaitable[None]]
@@ -39,6 +40,9 @@ class CallContext:
     scopes: frozenset[str]
     allowed_paths: tuple[str, ...] | None
     allowed_commands: tuple[str, ...] | None
+    # What the sending socket may see (docs/protocol.md §9.1): an idempotency replay of
+    # another socket's result outside it is refused. None: everything.
+    audience: Audience | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +55,9 @@ class RunningCall:
     # The socket that sent the call, for a best-effort answer when its result cannot be
     # journaled (the journal is how results normally travel).
     reply: SendReply | None = None
+    # The real path a file tool resolved, set as soon as it is known: who may see the
+    # call's result depends on it (docs/protocol.md §9.1).
+    view_path: str | None = None
 
     @property
     def key(self) -> str | None:

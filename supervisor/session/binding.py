@@ -26,6 +26,13 @@ class BindRejected:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class BindForbidden:
+    """The bootstrap would bind the session, or conflicts with its binding, and the socket
+    lacks session:control: refused, and — unlike a rejection — nothing terminates."""
+
+
+
 def _inside(path: str, root: str) -> bool:
     # A configured root may end in "/"; is_within takes normalised paths.
     return is_within(path, root.rstrip("/") or "/")
@@ -38,17 +45,25 @@ def decide_binding(
     *,
     workspace_root: str,
     allowed_profiles: Sequence[str],
+    may_bind: bool = True,
     is_dir: Callable[[str], bool] = os.path.isdir,
     realpath: Callable[[str], str] = os.path.realpath,
-) -> BindAccepted | BindRejected:
+) -> BindAccepted | BindRejected | BindForbidden:
+    """`may_bind`: the socket holds session:control (docs/protocol.md §5.2). Without it, only
+    the identical body attaches; anything that would bind, or would terminate the sandbox as
+    a conflicting claim, is refused before any other check."""
     if bound_digest is not None:
         # A supervisor serves one session for its life: the same body re-attaches, any other
         # body is a conflicting claim on this sandbox.
         if bound_digest == digest:
             return BindAccepted(digest, newly_bound=False)
+        if not may_bind:
+            return BindForbidden()
         return BindRejected(
             errors.BOOTSTRAP_MISMATCH, "The sandbox is already bound with a different bootstrap."
         )
+    if not may_bind:
+        return BindForbidden()
     cwd = body.agent.cwd
     real_root = realpath(workspace_root)
     # Lexically inside the root *and* still inside once symlinks are resolved: a symlink in

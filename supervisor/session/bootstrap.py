@@ -18,8 +18,8 @@ from sandbox_supervisor.protocol.fields import is_scope
 from sandbox_supervisor.protocol.frames import RuntimeStateBody, RuntimeStateFrame
 from sandbox_supervisor.daemon.ops.logs import safe_log
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier
-from sandbox_supervisor.daemon.session.binding import BindRejected, decide_binding
-from sandbox_supervisor.daemon.session.control import BindFailed, BindOutcome, BindRefused, Bound
+from sandbox_supervisor.daemon.session.binding import BindForbidden, BindRejected, decide_binding
+from sandbox_supervisor.daemon.session.control import BindFailed, BindNotAllowed, BindOutcome, BindRefused, Bound
 from sandbox_supervisor.daemon.state.store import AlreadyBound, StateSnapshot, StateStore, StoreError
 from sandbox_supervisor.daemon.status import EXIT_TERMINATED, DaemonStatus, Lifecycle
 
@@ -53,6 +53,8 @@ def bind(
     status: DaemonStatus,
     rules: BindingRules,
     socket_log: FilteringBoundLogger,
+    *,
+    may_bind: bool = True,
 ) -> BindOutcome:
     """Decide a bootstrap against the binding and persist a new one (before any answer).
     `socket_log` carries the socket's ids, so a failure names the session it cost."""
@@ -68,7 +70,11 @@ def bind(
         binding.digest if binding else None,
         workspace_root=str(rules.workspace_root),
         allowed_profiles=rules.allowed_profiles,
+        may_bind=may_bind,
     )
+    if isinstance(decision, BindForbidden):
+        socket_log.warning("bootstrap.forbidden", bound=binding is not None)
+        return BindNotAllowed()
     if isinstance(decision, BindRejected):
         return BindRefused(decision.code, decision.message)
     started = time.monotonic()

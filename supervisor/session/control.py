@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_supervisor.protocol import closes, errors
+from sandbox_supervisor.protocol.fields import SESSION_CONTROL
 from sandbox_supervisor.protocol.tools import TOOL_SCOPES
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 from sandbox_supervisor.protocol.frames import (
@@ -41,6 +42,8 @@ from sandbox_supervisor.protocol.frames import (
 EXEC_SCOPE = TOOL_SCOPES["execute_shell_command"]
 SESSION_MISMATCH_MESSAGE = "Bootstrap sessionId does not match the session."
 EXEC_FORBIDDEN_MESSAGE = "The connection lacks the shell:exec scope."
+ACK_FORBIDDEN_MESSAGE = "events.ack needs the session:control scope; the ack floor did not move."
+BIND_FORBIDDEN_MESSAGE = "Binding or rebinding the session needs the session:control scope; nothing changed."
 
 
 class ChannelState(enum.Enum):
@@ -75,9 +78,10 @@ class Close:
 @dataclass(frozen=True, slots=True)
 class Bind:
     """Decide the bootstrap against the binding (session.binding), persist a new one, and
-    report the outcome with `binding_decided`."""
+    report the outcome with `binding_decided`. `may_bind`: the socket holds session:control."""
 
     body: BootstrapBody
+    may_bind: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +140,13 @@ class BindFailed:
     """The binding could not be persisted (the state database refused)."""
 
 
-BindOutcome = Bound | BindRefused | BindFailed
+@dataclass(frozen=True, slots=True)
+class BindNotAllowed:
+    """It would bind or rebind the session, and the socket lacks session:control: refused,
+    nothing persisted, nothing terminated."""
+
+
+BindOutcome = Bound | BindRefused | BindFailed | BindNotAllowed
 
 
 def error_reply(code: str, message: str, call_id: str | None = None) -> Reply:
@@ -152,6 +162,9 @@ class ControlChannel:
         self.generation = generation
         self.scopes = frozenset(scopes)
         self.state = ChannelState.AWAITING_BOOTSTRAP
+        # Whether the bootstrap being decided came on an attached socket (§5.5): a refusal
+        # then leaves it attached; on a first frame it ends the socket.
+        self._rebinding = False
 
     # --- events ----------------------------------------------------------------------
 
@@ -189,6 +202,12 @@ class ControlChannel:
         if isinstance(outcome, BindRefused):
             self.state = ChannelState.REJECTING
             return [Reject(outcome.code, outcome.message)]
+        if isinstance(outcome, BindNotAllowed):
+            refusal = error_reply(errors.FORBIDDEN, BIND_FORBIDDEN_MESSAGE)
+            if self._rebinding:
+                self.state = ChannelState.ATTACHED
+                return [refusal]
+            return [refusal, *self._close(closes.CLOSE_POLICY_VIOLATION, closes.BIND_FORBIDDEN_REASON)]
         return self._close(closes.CLOSE_INTERNAL_ERROR, closes.INTERNAL_REASON)
 
     def readiness_failed(self) -> list[Action]:
@@ -240,7 +259,8 @@ class ControlChannel:
             # must not bind the session, nor terminate it with a mismatched body.
             return self._close(closes.CLOSE_POLICY_VIOLATION, closes.SUPERSEDED_REASON)
         self.state = ChannelState.BINDING
-        return [Bind(frame.body)]
+        self._rebinding = False
+        return [Bind(frame.body, may_bind=SESSION_CONTROL in self.scopes)]
 
     def _attached_frame(self, frame: ClientFrameModel | FrameError, holds_fence: bool) -> list[Action]:
         if isinstance(frame, FrameError):
@@ -250,6 +270,10 @@ class ControlChannel:
         if isinstance(frame, ToolCallFrame):
             return [SubmitCall(frame.body, frame.connectionGeneration)]
         if isinstance(frame, EventsAckFrame):
+            if SESSION_CONTROL not in self.scopes:
+                # Pruning deletes what the control plane may not have stored yet: only the
+                # session's own authority may do it (§9).
+                return [error_reply(errors.FORBIDDEN, ACK_FORBIDDEN_MESSAGE)]
             return [Acknowledge(frame.body.seq)]
         if isinstance(frame, SessionBootstrapFrame):
             if frame.body.sessionId != self.session_id:
@@ -257,7 +281,8 @@ class ControlChannel:
             # Re-checked against the binding: the same body answers runtime.state again, any
             # other body is a conflicting claim and is rejected (docs/protocol.md §5.5).
             self.state = ChannelState.BINDING
-            return [Bind(frame.body)]
+            self._rebinding = True
+            return [Bind(frame.body, may_bind=SESSION_CONTROL in self.scopes)]
         if isinstance(frame, (ExecSignalFrame, ExecReadOutputFrame)):
             if EXEC_SCOPE not in self.scopes:
                 return [error_reply(errors.FORBIDDEN, EXEC_FORBIDDEN_MESSAGE, frame.body.call_id)]

@@ -34,10 +34,17 @@ class Connection:
     close_request: tuple[int, str] | None = None
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     last_inbound: float = 0.0
+    # Scopes the configuration adds to every assertion (`authority.legacy_session_control`).
+    granted: frozenset[str] = frozenset()
     channel: ControlChannel = field(init=False)
 
     def __post_init__(self) -> None:
-        self.channel = ControlChannel(self.headers.session_id, self.headers.generation, self.claims.scopes)
+        self.channel = ControlChannel(self.headers.session_id, self.headers.generation, self.scopes)
+
+    @property
+    def scopes(self) -> frozenset[str]:
+        """What this socket may do: its assertion's scopes and what the configuration grants."""
+        return frozenset(self.claims.scopes) | self.granted
 
     @property
     def generation(self) -> int:

@@ -1,7 +1,8 @@
 """The per-socket sender: one task that owns every write to its socket.
 
 It sends, in a loop: queued replies (not journaled), then journaled events after its cursor,
-read from sqlite in batches. Producers never wait for it; a slow client only makes this task
+read from sqlite in batches, each as it is or — outside what the socket's assertion lets it
+see — as `event.withheld` (docs/protocol.md §9.1). Producers never wait for it; a slow client only makes this task
 wait, and memory stays bounded (a batch of events plus a bounded reply queue).
 """
 
@@ -11,6 +12,7 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.visibility import Audience
 from sandbox_supervisor.daemon.telemetry import Telemetry
 
 # Bounded: a client that floods requests without reading replies is slowed at its own
@@ -30,8 +32,10 @@ class SocketSender:
         journal: Journal,
         cursor: int,
         telemetry: Telemetry | None = None,
+        audience: Audience | None = None,
     ) -> None:
         self._ws = ws
+        self._audience = audience
         self._telemetry = telemetry
         # Events up to here existed when the socket attached: sending them is a replay.
         self._replay_until = journal.last_seq
@@ -57,7 +61,7 @@ class SocketSender:
                 self._wake = trio.Event()
                 sent = await self._send_replies()
                 rows = (
-                    self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS)
+                    self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
                     if self.cursor < self._journal.last_seq
                     else []
                 )

@@ -18,6 +18,7 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.protocol import closes, errors
+from sandbox_supervisor.protocol.fields import SESSION_CONTROL
 from sandbox_supervisor.protocol.frames import (
     BootstrapRejectedBody,
     BootstrapRejectedFrame,
@@ -46,9 +47,11 @@ from sandbox_supervisor.daemon.session.control import (
     error_reply,
 )
 from sandbox_supervisor.daemon.session.hub import Connection, SessionHub
+from sandbox_supervisor.daemon.session.audience import audience_for
 from sandbox_supervisor.daemon.session.sender import SocketSender
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import AckAhead, StateStore, StoreError
+from sandbox_supervisor.daemon.state.visibility import Audience
 from sandbox_supervisor.daemon.status import DaemonStatus
 from sandbox_supervisor.daemon.telemetry import Telemetry
 
@@ -80,6 +83,9 @@ class SocketSettings:
     max_message_bytes: int
     drain_budget_s: float
     rejection_receipt_timeout_s: float
+    # `authority.legacy_session_control`: every assertion holds session:control, as before
+    # the scope existed (a transition for control planes that do not grant it yet).
+    legacy_session_control: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +104,10 @@ class SessionServices:
 
 
 async def serve_control_socket(ws: trio_websocket.WebSocketConnection, admit: Admit, services: SessionServices) -> None:
-    conn = Connection(ws, admit.headers, admit.claims, admission=admit.admission, last_inbound=trio.current_time())
+    granted = frozenset({SESSION_CONTROL}) if services.settings.legacy_session_control else frozenset()
+    conn = Connection(
+        ws, admit.headers, admit.claims, admission=admit.admission, last_inbound=trio.current_time(), granted=granted
+    )
     await ControlSocket(conn, services).run()
 
 
@@ -113,6 +122,7 @@ class ControlSocket:
         self.sender: SocketSender | None = None  # once attached: every later write goes through it
         self._nursery: trio.Nursery | None = None
         self._context: CallContext | None = None
+        self._audience: Audience | None = None
 
     # --- the socket's life -----------------------------------------------------------
 
@@ -244,7 +254,10 @@ class ControlSocket:
                     await self._reply(encode_frame(answer))
             elif isinstance(action, Bind):
                 services = self.services
-                outcome = bootstrap.bind(action.body, services.store, services.status, services.binding_rules, self.log)
+                outcome = bootstrap.bind(
+                    action.body, services.store, services.status, services.binding_rules, self.log,
+                    may_bind=action.may_bind,
+                )
                 if not await self._carry_out(self.channel.binding_decided(outcome)):
                     return False
             elif isinstance(action, SendReadiness):
@@ -275,7 +288,7 @@ class ControlSocket:
             event_ack=conn.headers.event_ack,
             snapshot=snapshot,
             version=services.status.version,
-            scopes=sorted(conn.claims.scopes),
+            scopes=sorted(conn.scopes),
         )
         if self.sender is not None:
             # Re-attached on a socket that already has its sender: queued like any reply.
@@ -295,7 +308,11 @@ class ControlSocket:
         assert self._nursery is not None
         services = self.services
         self.sender = SocketSender(
-            self.conn.ws, services.journal, cursor=self.conn.headers.event_ack, telemetry=services.telemetry
+            self.conn.ws,
+            services.journal,
+            cursor=self.conn.headers.event_ack,
+            telemetry=services.telemetry,
+            audience=self._socket_audience(),
         )
         self._nursery.start_soon(self.sender.run)
 
@@ -353,6 +370,15 @@ class ControlSocket:
             self.log.exception("ack.record_failed")
             await self._carry_out([error_reply(errors.INTERNAL, ACK_NOT_RECORDED_MESSAGE)])
 
+    def _socket_audience(self) -> Audience:
+        """What this socket may see (docs/protocol.md §9.1), resolved once: its scopes and
+        allowed_paths are fixed, and so is the bound agent.cwd."""
+        if self._audience is None:
+            session = self.services.status.session
+            assert session is not None  # attached implies bound
+            self._audience = audience_for(self.conn.scopes, self.conn.claims.allowed_paths, session.agent.cwd)
+        return self._audience
+
     def _call_context(self) -> CallContext:
         # Built once: a connection's claims are fixed and the bound session does not change;
         # building it per frame was a measurable share of a read_file call.
@@ -365,9 +391,10 @@ class ControlSocket:
                 generation=self.conn.generation,
                 cwd=session.agent.cwd,
                 agent_env=dict(session.agent.env or {}),
-                scopes=frozenset(claims.scopes),
+                scopes=self.conn.scopes,
                 allowed_paths=tuple(claims.allowed_paths) if claims.allowed_paths is not None else None,
                 allowed_commands=tuple(claims.allowed_commands) if claims.allowed_commands is not None else None,
+                audience=self._socket_audience(),
             )
         return self._context
 

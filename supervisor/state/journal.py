@@ -12,7 +12,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sandbox_supervisor.daemon.state.store import StateStore, take_within
+from sandbox_supervisor.protocol.frames import encode_withheld
+from sandbox_supervisor.daemon.state.store import JournalRow, StateStore, take_within
+from sandbox_supervisor.daemon.state.visibility import Audience, EventView, visible
 
 
 RECENT_FRAMES = 1024
@@ -32,23 +34,34 @@ class Journal:
         # The most recent frames, dense by seq: a sender that keeps up reads live events
         # from here instead of querying sqlite for each one. Bounded by count and by size,
         # and acked frames leave it (they are pruned from the store too).
-        self.recent: deque[tuple[int, str]] = deque()
+        self.recent: deque[JournalRow] = deque()
         self._recent_chars = 0
         # The ack floor: what the store may have deleted (acks only ever go through here).
         self.pruned_through = snapshot.ack_floor
 
-    def frames_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[tuple[int, str]]:
+    def frames_after(
+        self, seq: int, limit: int, max_chars: int | None = None, audience: Audience | None = None
+    ) -> list[tuple[int, str]]:
+        """Up to `limit` events after `seq`, in order, as (seq, frame) for a socket with
+        `audience` (None: one that sees everything): an event outside its view is sent as
+        `event.withheld`, so every seq still arrives once (docs/protocol.md §9.1)."""
+        rows = self.rows_after(seq, limit, max_chars)
+        if audience is None or audience.sees_everything:
+            return [(row.seq, row.frame) for row in rows]
+        return [(row.seq, row.frame if visible(row.view, audience) else encode_withheld(row.seq)) for row in rows]
+
+    def rows_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[JournalRow]:
         """Up to `limit` events after `seq`, in order: from memory when they are recent,
         else from the store (a replay). With `max_chars` the batch ends once that many
         characters are gathered (at least one event), the same rule on both paths."""
         recent = self.recent
         # Pruned events are not served from memory either: a reconnect below the oldest
         # retained event is replayed from there, the same whichever path serves it.
-        if recent and max(recent[0][0], self.pruned_through + 1) <= seq + 1 <= recent[-1][0]:
-            start = seq + 1 - recent[0][0]
+        if recent and max(recent[0].seq, self.pruned_through + 1) <= seq + 1 <= recent[-1].seq:
+            start = seq + 1 - recent[0].seq
             window = itertools.islice(recent, start, start + limit)
             return list(window) if max_chars is None else take_within(window, max_chars)
-        return self.store.events_after(seq, limit, max_chars)
+        return self.store.rows_after(seq, limit, max_chars)
 
     def acknowledge(self, seq: int) -> int:
         """Raise the ack floor (AckAhead above the journal) and prune what it covers, in one
@@ -65,10 +78,9 @@ class Journal:
         while recent and (
             len(recent) > RECENT_FRAMES
             or self._recent_chars > RECENT_MAX_CHARS
-            or recent[0][0] <= self.pruned_through
+            or recent[0].seq <= self.pruned_through
         ):
-            _, frame = recent.popleft()
-            self._recent_chars -= len(frame)
+            self._recent_chars -= len(recent.popleft().frame)
 
     def subscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.add(wake)
@@ -76,16 +88,16 @@ class Journal:
     def unsubscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.discard(wake)
 
-    def _appended(self, rows: list[tuple[int, str]]) -> None:
+    def _appended(self, rows: list[JournalRow]) -> None:
         if rows:
-            self.last_seq = max(self.last_seq, rows[-1][0])
+            self.last_seq = max(self.last_seq, rows[-1].seq)
             self.recent.extend(rows)
-            self._recent_chars += sum(len(frame) for _, frame in rows)
+            self._recent_chars += sum(len(row.frame) for row in rows)
             self._trim_recent()
         for wake in list(self._listeners):
             wake()
 
-    def append(self, events: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[int, str]]:
+    def append(self, events: Sequence[tuple[str, dict[str, Any]]]) -> list[JournalRow]:
         """Commit events (dense seqs) and wake the senders; returns [(seq, frame_json)]."""
         rows = self.store.append_events(events)
         self._appended(rows)
@@ -96,21 +108,22 @@ class Journal:
         key: str | None,
         result_body: dict[str, Any],
         preceding: Sequence[tuple[str, dict[str, Any]]] = (),
-    ) -> list[tuple[int, str]]:
+        view: EventView | None = None,
+    ) -> list[JournalRow]:
         """Journal a call's final events and complete its idempotency record atomically."""
-        rows = self.store.complete_call(key, result_body, preceding=preceding)
+        rows = self.store.complete_call(key, result_body, preceding=preceding, view=view)
         self._appended(rows)
         return rows
 
-    def release_call(self, key: str, result_body: dict[str, Any]) -> list[tuple[int, str]]:
+    def release_call(self, key: str, result_body: dict[str, Any], view: EventView | None = None) -> list[JournalRow]:
         """Journal a refusal that leaves nothing done and free the key (see StateStore)."""
-        rows = self.store.release_call(key, result_body)
+        rows = self.store.release_call(key, result_body, view=view)
         self._appended(rows)
         return rows
 
     def start_process(
         self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
-    ) -> list[tuple[int, str]]:
+    ) -> list[JournalRow]:
         """Record a spawned process group and journal its exec.started, in one transaction."""
         rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body)
         self._appended(rows)

@@ -17,10 +17,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
+from sandbox_supervisor.daemon.state.visibility import EventView, default_view
 
 DB_FILENAME = "supervisor.sqlite3"
 STATE_DIR_MODE = 0o700
@@ -28,7 +29,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Retention of completed idempotency records (docs/protocol.md §8): a key is remembered for
 # this long after its call completed …
@@ -59,8 +60,9 @@ _PROCESSES_TABLE = """CREATE TABLE IF NOT EXISTS processes (
             start_ticks INTEGER NOT NULL,
             recorded_at REAL NOT NULL)"""
 
-# Each entry migrates the schema from version (index) to version (index + 1).
-_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+# Each entry migrates the schema from version (index) to version (index + 1): SQL, or a
+# function for a step SQL cannot say.
+_MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] = (
     (
         "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
         """CREATE TABLE binding (
@@ -120,8 +122,59 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         " CAST(COALESCE(SUM(result_bytes), 0) AS TEXT) FROM idempotency"
         " WHERE state = 'completed'",
     ),
+    (
+        # Who may see each event (docs/protocol.md §9.1): the scope it needs and the real
+        # path a file tool touched. Existing rows get theirs from what they say (below).
+        "ALTER TABLE events ADD COLUMN scope TEXT",
+        "ALTER TABLE events ADD COLUMN path TEXT",
+        # A result is stored once (docs/protocol.md §8): a completed record points at its
+        # tool.result event, which acks no longer delete while the record lives. Results
+        # whose event an ack already pruned go back into the journal under their own seq
+        # (below the ack floor, so no replay sends them again).
+        "INSERT INTO events (seq, kind, frame_json, created_at)"
+        f" SELECT result_seq, '{TOOL_RESULT}', result_frame, completed_at FROM idempotency"
+        " WHERE state = 'completed' AND result_frame IS NOT NULL"
+        " AND result_seq NOT IN (SELECT seq FROM events)",
+        lambda conn: _set_default_views(conn),
+        # Rebuilt without result_frame (DROP COLUMN needs sqlite 3.35).
+        """CREATE TABLE idempotency_v4 (
+            key TEXT PRIMARY KEY,
+            tool_name TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('pending', 'completed')),
+            result_seq INTEGER,
+            intent_json TEXT,
+            created_at REAL NOT NULL,
+            completed_at REAL,
+            result_bytes INTEGER)""",
+        "INSERT INTO idempotency_v4 (key, tool_name, digest, call_id, state, result_seq,"
+        " intent_json, created_at, completed_at, result_bytes)"
+        " SELECT key, tool_name, digest, call_id, state, result_seq, intent_json, created_at,"
+        " completed_at, result_bytes FROM idempotency",
+        "DROP TABLE idempotency",
+        "ALTER TABLE idempotency_v4 RENAME TO idempotency",
+        "CREATE INDEX idempotency_pending ON idempotency (state) WHERE state = 'pending'",
+        "CREATE INDEX idempotency_completed ON idempotency (completed_at)"
+        " WHERE state = 'completed'",
+        # An ack prunes every event at or below the floor that no record points at.
+        "CREATE INDEX idempotency_result_seq ON idempotency (result_seq)"
+        " WHERE result_seq IS NOT NULL",
+    ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+
+def _set_default_views(conn: sqlite3.Connection) -> None:
+    """Views for events journaled before views existed: from what each event says. A file
+    tool's result gets an unknown path (shown only to sockets without allowed_paths)."""
+    updates = []
+    for seq, kind, frame in conn.execute("SELECT seq, kind, frame_json FROM events WHERE scope IS NULL"):
+        body = json.loads(frame).get("body") or {}
+        error = body.get("error") or {}
+        view = default_view(kind, body.get("tool_name"), error.get("code"))
+        updates.append((view.scope, view.path, seq))
+    conn.executemany("UPDATE events SET scope = ?, path = ? WHERE seq = ?", updates)
 
 
 class StoreError(Exception):
@@ -190,6 +243,15 @@ class CallRetention:
             raise ValueError("call retention limits must be positive")
 
 
+class JournalRow(NamedTuple):
+    """One journaled event as stored: its seq, its frame text (what is sent), and who may see
+    it (docs/protocol.md §9.1)."""
+
+    seq: int
+    frame: str
+    view: EventView
+
+
 @dataclass(frozen=True, slots=True)
 class CallRecord:
     """One idempotency record (docs/protocol.md §8)."""
@@ -200,11 +262,25 @@ class CallRecord:
     call_id: str
     state: str  # "pending" | "completed"
     result_seq: int | None
-    result_frame: str | None  # the tool.result event exactly as journaled (kept past pruning)
+    # The tool.result event exactly as journaled, and who may see it: read from the journal
+    # row the record points at (kept past acks while the record lives, so stored once).
+    result_frame: str | None
+    result_view: EventView | None
     intent_json: str | None
 
 
-_CALL_COLUMNS = "key, tool_name, digest, call_id, state, result_seq, result_frame, intent_json"
+# A record joined with the event that holds its result.
+_CALL_SELECT = (
+    "SELECT i.key, i.tool_name, i.digest, i.call_id, i.state, i.result_seq, e.frame_json,"
+    " e.scope, e.path, i.intent_json, i.completed_at, i.result_bytes"
+    " FROM idempotency AS i LEFT JOIN events AS e ON e.seq = i.result_seq"
+)
+
+
+def _call_record(row: Sequence[Any]) -> CallRecord:
+    key, tool_name, digest, call_id, state, result_seq, frame, scope, path, intent = row[:10]
+    view = EventView(scope, path) if frame is not None else None
+    return CallRecord(key, tool_name, digest, call_id, state, result_seq, frame, view, intent)
 
 
 class StateStore:
@@ -290,7 +366,10 @@ class StateStore:
                 )
             for step in range(version, SCHEMA_VERSION):
                 for statement in _MIGRATIONS[step]:
-                    conn.execute(statement)
+                    if callable(statement):
+                        statement(conn)
+                    else:
+                        conn.execute(statement)
             # PRAGMA arguments cannot be bound parameters; the value is our own int.
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
@@ -329,7 +408,11 @@ class StateStore:
         with self._transaction(write=False) as conn:
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
             bound = conn.execute("SELECT session_id, digest FROM binding WHERE id = 1").fetchone()
-            oldest = conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+            # Results that completed records still point at stay below the floor; they are
+            # not retained for replay.
+            oldest = conn.execute(
+                "SELECT MIN(seq) FROM events WHERE seq > ?", (int(meta.get(META_ACK_FLOOR, 0)),)
+            ).fetchone()[0]
         last_seq = int(meta.get(META_LAST_SEQ, 0))
         terminated = None
         if META_TERMINATED in meta:
@@ -362,19 +445,26 @@ class StateStore:
         return Binding(*row) if row else None
 
     def events_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[tuple[int, str]]:
-        """Up to `limit` retained events with a seq above `seq`, in order: (seq, frame_json).
-        With `max_chars`, rows stop once that many characters are gathered (always at least
-        one row): a batch of large frames is not read into memory all at once."""
+        """Up to `limit` retained events with a seq above `seq`, in order: (seq, frame_json)."""
+        return [(row.seq, row.frame) for row in self.rows_after(seq, limit, max_chars)]
+
+    def rows_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[JournalRow]:
+        """Up to `limit` retained events with a seq above `seq` (and above the ack floor), in
+        order. With `max_chars`, rows stop once that many characters are gathered (always at
+        least one row): a batch of large frames is not read into memory all at once."""
         if limit <= 0:
             raise ValueError("limit must be positive")
         with self._transaction(write=False) as conn:
             cursor = conn.execute(
-                "SELECT seq, frame_json FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                "SELECT seq, frame_json, scope, path FROM events WHERE seq > MAX(?, COALESCE("
+                f"(SELECT CAST(value AS INTEGER) FROM meta WHERE key = '{META_ACK_FLOOR}'), 0))"
+                " ORDER BY seq LIMIT ?",
                 (seq, limit),
             )
+            rows = (JournalRow(seq, frame, EventView(scope, path)) for seq, frame, scope, path in cursor)
             if max_chars is None:
-                return cursor.fetchall()
-            return take_within(cursor, max_chars)  # sqlite steps row by row: the rest is never read
+                return list(rows)
+            return take_within(rows, max_chars)  # sqlite steps row by row: the rest is never read
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -444,14 +534,21 @@ class StateStore:
             floor = max(int(meta.get(META_ACK_FLOOR, 0)), seq)
             _write_meta(conn, {META_ACK_FLOOR: str(floor)})
             if prune:
-                conn.execute("DELETE FROM events WHERE seq <= ?", (floor,))
+                # A result a completed record points at stays (stored once, docs/protocol.md
+                # §8) until the record is forgotten; nothing replays it from here.
+                conn.execute(
+                    "DELETE FROM events WHERE seq <= ? AND seq NOT IN"
+                    " (SELECT result_seq FROM idempotency WHERE result_seq IS NOT NULL)",
+                    (floor,),
+                )
         return floor
 
     def append_events(
         self, events: Sequence[tuple[str, dict[str, Any]]], *, now: float | None = None
-    ) -> list[tuple[int, str]]:
-        """Journal events with the next dense seqs, in one transaction; returns
-        [(seq, frame_json)] with frame_json exactly as stored (and to be sent)."""
+    ) -> list[JournalRow]:
+        """Journal events with the next dense seqs, in one transaction; returns their rows,
+        the frame exactly as stored (and to be sent). Views come from what each event says
+        (`visibility.default_view`)."""
         if not events:
             return []
         created_at = time.time() if now is None else now
@@ -475,20 +572,16 @@ class StateStore:
         with the same key exactly one gets None."""
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
-            row = conn.execute(
-                f"SELECT {_CALL_COLUMNS}, completed_at, result_bytes FROM idempotency"
-                " WHERE key = ?",
-                (key,),
-            ).fetchone()
+            row = conn.execute(f"{_CALL_SELECT} WHERE i.key = ?", (key,)).fetchone()
             if row is not None:
-                record = CallRecord(*row[:-2])
+                record = _call_record(row)
                 completed_at, result_bytes = row[-2:]
                 if not self._expired(record, completed_at, created_at):
                     return record
                 # Past its retention but not pruned yet (pruning runs when calls complete):
                 # forgotten now, so whether a key is remembered never depends on when the
                 # last completion happened to prune.
-                self._forget_completed_in(conn, [(key, result_bytes)])
+                self._forget_completed_in(conn, [(key, result_bytes, record.result_seq)])
             conn.execute(
                 "INSERT INTO idempotency (key, tool_name, digest, call_id, state, intent_json,"
                 " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
@@ -513,24 +606,26 @@ class StateStore:
         result_body: dict[str, Any],
         *,
         preceding: Sequence[tuple[str, dict[str, Any]]] = (),
+        view: EventView | None = None,
         now: float | None = None,
-    ) -> list[tuple[int, str]]:
+    ) -> list[JournalRow]:
         """Journal a call's final events (`preceding`, e.g. exec.completed, then its
-        tool.result) and, with a key, mark its record completed — one transaction, so a
-        crash leaves either a pending record and no result, or both."""
+        tool.result with `view`, by default what it says) and, with a key, mark its record
+        completed — one transaction, so a crash leaves either a pending record and no
+        result, or both. The record points at its tool.result: the result is stored once."""
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
             rows = self._append_events_in(
-                conn, [*preceding, (TOOL_RESULT, result_body)], created_at
+                conn, [*preceding, (TOOL_RESULT, result_body)], created_at, last_view=view
             )
-            seq, frame = rows[-1]
+            seq, frame, _ = rows[-1]
             if key is not None:
                 size = len(frame.encode("utf-8"))
                 updated = conn.execute(
                     "UPDATE idempotency SET state = 'completed', result_seq = ?,"
-                    " result_frame = ?, result_bytes = ?, completed_at = ?"
+                    " result_bytes = ?, completed_at = ?"
                     " WHERE key = ? AND state = 'pending'",
-                    (seq, frame, size, created_at, key),
+                    (seq, size, created_at, key),
                 ).rowcount
                 if updated != 1:
                     raise StoreError(f"no pending call with key {key!r}")
@@ -541,13 +636,15 @@ class StateStore:
                 self._prune_calls_in(conn, created_at)
         return rows
 
-    def release_call(self, key: str, result_body: dict[str, Any], *, now: float | None = None) -> list[tuple[int, str]]:
+    def release_call(
+        self, key: str, result_body: dict[str, Any], *, view: EventView | None = None, now: float | None = None
+    ) -> list[JournalRow]:
         """Journal the tool.result of a call refused before any side effect for a passing
         reason (too many processes, the daemon stopping) and free its key in the same
         transaction, so a retry with the same key can run later."""
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
-            rows = self._append_events_in(conn, [(TOOL_RESULT, result_body)], created_at)
+            rows = self._append_events_in(conn, [(TOOL_RESULT, result_body)], created_at, last_view=view)
             deleted = conn.execute(
                 "DELETE FROM idempotency WHERE key = ? AND state = 'pending'", (key,)
             ).rowcount
@@ -568,25 +665,22 @@ class StateStore:
 
     def call_record(self, key: str) -> CallRecord | None:
         with self._transaction(write=False) as conn:
-            row = conn.execute(
-                f"SELECT {_CALL_COLUMNS} FROM idempotency WHERE key = ?", (key,)
-            ).fetchone()
-        return CallRecord(*row) if row else None
+            row = conn.execute(f"{_CALL_SELECT} WHERE i.key = ?", (key,)).fetchone()
+        return _call_record(row) if row else None
 
     def pending_calls(self) -> list[CallRecord]:
         """Records left pending (by a crash), oldest first."""
         with self._transaction(write=False) as conn:
             rows = conn.execute(
-                f"SELECT {_CALL_COLUMNS} FROM idempotency WHERE state = 'pending'"
-                " ORDER BY created_at, key"
+                f"{_CALL_SELECT} WHERE i.state = 'pending' ORDER BY i.created_at, i.key"
             ).fetchall()
-        return [CallRecord(*row) for row in rows]
+        return [_call_record(row) for row in rows]
 
     # -- process groups --------------------------------------------------------------------
 
     def start_process(
         self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
-    ) -> list[tuple[int, str]]:
+    ) -> list[JournalRow]:
         """Record a spawned process group (for the clean-up after a crash) and journal its
         exec.started, in one transaction: a started command always has its record."""
         now = time.time()
@@ -612,11 +706,13 @@ class StateStore:
     # -- helpers usable inside one _transaction() ------------------------------------------
 
     def _expired(self, record: CallRecord, completed_at: float | None, now: float) -> bool:
-        return (
-            record.state == "completed"
-            and completed_at is not None
-            and completed_at <= now - self.retention.max_age_s
-        )
+        if record.state != "completed":
+            return False
+        if record.result_frame is None:
+            # Completed, but its result is gone (a hand-edited database): nothing to replay,
+            # so the key is forgotten rather than answered with nothing.
+            return True
+        return completed_at is not None and completed_at <= now - self.retention.max_age_s
 
     def _prune_calls_in(self, conn: sqlite3.Connection, now: float) -> int:
         """Delete completed records, oldest completion first, while each is past max_age_s
@@ -627,16 +723,16 @@ class StateStore:
         retention = self.retention
         cutoff = now - retention.max_age_s
         total = _call_result_bytes(conn)
-        victims: list[tuple[str, int | None]] = []
+        victims: list[tuple[str, int | None, int | None]] = []
         cursor = conn.execute(
-            "SELECT key, completed_at, result_bytes FROM idempotency"
+            "SELECT key, completed_at, result_bytes, result_seq FROM idempotency"
             " WHERE state = 'completed' ORDER BY completed_at"
         )
         try:
-            for key, completed_at, size in cursor:
+            for key, completed_at, size, result_seq in cursor:
                 if completed_at > cutoff and total <= retention.max_result_bytes:
                     break
-                victims.append((key, size))
+                victims.append((key, size, result_seq))
                 total -= size or 0
         finally:
             cursor.close()
@@ -645,41 +741,63 @@ class StateStore:
 
     @staticmethod
     def _forget_completed_in(
-        conn: sqlite3.Connection, victims: Sequence[tuple[str, int | None]]
+        conn: sqlite3.Connection, victims: Sequence[tuple[str, int | None, int | None]]
     ) -> None:
+        """Forget completed records (key, result bytes, result seq), and each one's result
+        event if an ack already covers it (the record was all that kept it)."""
         if not victims:
             return
         conn.executemany(
             "DELETE FROM idempotency WHERE key = ? AND state = 'completed'",
-            [(key,) for key, _ in victims],
+            [(key,) for key, _, _ in victims],
         )
-        freed = sum(size or 0 for _, size in victims)
+        floor = int(_read_meta(conn, META_ACK_FLOOR).get(META_ACK_FLOOR, 0))
+        conn.executemany(
+            "DELETE FROM events WHERE seq = ? AND seq <= ?",
+            [(seq, floor) for _, _, seq in victims if seq is not None],
+        )
+        freed = sum(size or 0 for _, size, _ in victims)
         # Never below zero, even over a counter a hand-edited database left too low.
         total = max(0, _call_result_bytes(conn) - freed)
         _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
 
     @staticmethod
     def _append_events_in(
-        conn: sqlite3.Connection, events: Sequence[tuple[str, dict[str, Any]]], now: float
-    ) -> list[tuple[int, str]]:
+        conn: sqlite3.Connection,
+        events: Sequence[tuple[str, dict[str, Any]]],
+        now: float,
+        *,
+        last_view: EventView | None = None,
+    ) -> list[JournalRow]:
+        """Append with dense seqs; each event's view is what it says, except the last one's
+        when `last_view` is given (a call's tool.result, whose path only the call knows)."""
         # Encode everything before the first write, so a body that is not JSON leaves no trace.
         last_seq = int(_read_meta(conn, META_LAST_SEQ).get(META_LAST_SEQ, 0))
-        rows = []
+        rows: list[JournalRow] = []
         for offset, (kind, body) in enumerate(events, start=1):
             seq = last_seq + offset  # encode_event refuses (ValueError) an unknown kind or bad body
-            rows.append((seq, kind, encode_event(kind, seq, body), now))
+            frame = encode_event(kind, seq, body)
+            if last_view is not None and offset == len(events):
+                view = last_view
+            else:
+                error = body.get("error") or {}
+                view = default_view(kind, body.get("tool_name"), error.get("code"))
+            rows.append(JournalRow(seq, frame, view))
         conn.executemany(
-            "INSERT INTO events (seq, kind, frame_json, created_at) VALUES (?, ?, ?, ?)",
-            rows,
+            "INSERT INTO events (seq, kind, frame_json, created_at, scope, path) VALUES (?, ?, ?, ?, ?, ?)",
+            [(row.seq, kind, row.frame, now, row.view.scope, row.view.path) for row, (kind, _) in zip(rows, events)],
         )
         _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
-        return [(seq, frame_json) for seq, _, frame_json, _ in rows]
+        return rows
 
 
-def take_within(rows: Iterable[tuple[int, str]], max_chars: int) -> list[tuple[int, str]]:
-    """(seq, frame) rows in order until `max_chars` characters of frames are gathered (the
+Row = TypeVar("Row", tuple[int, str], JournalRow)
+
+
+def take_within(rows: Iterable[Row], max_chars: int) -> list[Row]:
+    """Rows (seq, frame, …) in order until `max_chars` characters of frames are gathered (the
     row that reaches it included, so a batch always holds at least one row)."""
-    taken: list[tuple[int, str]] = []
+    taken: list[Row] = []
     gathered = 0
     for row in rows:
         taken.append(row)

@@ -52,6 +52,7 @@ async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:
     assert isinstance(params, ApplyFilePatchParams)
     ctx = running.context
     target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
+    running.view_path = str(target)
     key = running.key
     store = services.store
 

@@ -67,4 +67,6 @@ def _target(running: RunningCall) -> tuple[Path, ReadFileParams]:
     params = running.call.parameters
     assert isinstance(params, ReadFileParams)
     ctx = running.context
-    return resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths), params
+    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
+    running.view_path = str(target)
+    return target, params
