@@ -337,6 +337,7 @@ async def run_supervisor(
                     max_tcp_handshakes=config.websocket.max_handshakes,
                     max_unix_handshakes=config.websocket.max_unix_handshakes,
                     max_handshakes_per_peer=config.websocket.max_handshakes_per_peer,
+                    unix_allowed_uids=frozenset(config.listen.unix_allowed_uids),
                 )
                 await nursery.start(serve, bound.listeners, DaemonFront(daemon), limits)
                 # Published once the daemon is ready (what READY=1 says): a script that waits

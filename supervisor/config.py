@@ -28,6 +28,7 @@ from pydantic_core import ErrorDetails
 
 from sandbox_supervisor.protocol import bootstrap
 from sandbox_supervisor.protocol.addresses import parse_host_port
+from sandbox_supervisor.daemon.edge.server import default_unix_allowed_uids
 from sandbox_supervisor.daemon.runtime.identity import (
     CommandIdentity,
     check_group,
@@ -75,6 +76,12 @@ LaxPath = Annotated[Path, Field(strict=False), AfterValidator(_no_nul)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
 
+# listen.unix_allowed_uids: at most this many entries (a list of every account on the machine
+# is a misconfiguration, not a policy), each a real uid: (uid_t)-1 is the "no uid" marker.
+MAX_UNIX_ALLOWED_UIDS = 64
+MAX_UID = 2**32 - 2
+
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -83,6 +90,12 @@ class _Section(BaseModel):
 class ListenConfig(_Section):
     tcp: list[str] = ["127.0.0.1:8787"]
     unix: list[str] = []
+    # Who may connect over the unix sockets, checked on the peer's credentials (SO_PEERCRED)
+    # at accept, before a byte is read (docs/protocol.md §1.1). The list is the whole set:
+    # leaving 0 out locks root's own tools out too.
+    unix_allowed_uids: list[int] = Field(
+        default_factory=lambda: sorted(default_unix_allowed_uids()), max_length=MAX_UNIX_ALLOWED_UIDS
+    )
 
     @field_validator("tcp")
     @classmethod
@@ -105,6 +118,18 @@ class ListenConfig(_Section):
             if not entry or "\x00" in entry:
                 raise ValueError("a unix socket path must be non-empty and contain no NUL")
         return value
+
+    @field_validator("unix_allowed_uids")
+    @classmethod
+    def _check_uids(cls, value: list[int]) -> list[int]:
+        # Empty would refuse every peer, root's health checks included: a listener nobody may
+        # use is a mistake, not a policy (leave the key out for the default).
+        if not value:
+            raise ValueError("must name at least one uid (leave it unset for the daemon's uid and root)")
+        bad = [uid for uid in value if not 0 <= uid <= MAX_UID]
+        if bad:
+            raise ValueError(f"uids must be between 0 and {MAX_UID}: {bad}")
+        return sorted(set(value))
 
 
 class PathsConfig(_Section):

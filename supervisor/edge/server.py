@@ -12,9 +12,10 @@ import os
 import random
 import socket as stdlib_socket
 import stat
+import struct
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -103,6 +104,9 @@ PROBE_SLOTS_PER_PEER = 2
 PROBE_HEAD_TIMEOUT_S = 1.0
 # Refused, dropped and timed-out pre-auth connections are counted and logged once per interval.
 REFUSAL_SUMMARY_INTERVAL_S = 10.0
+# struct ucred (SO_PEERCRED): pid_t pid, uid_t uid, gid_t gid.
+PEERCRED_FORMAT = "iII"
+PEERCRED_BYTES = struct.calcsize(PEERCRED_FORMAT)
 
 
 class PeerSlots:
@@ -140,11 +144,20 @@ def early_drop(pending: int, *, start: int, rate: float, full: int, draw: Callab
     return draw() < probability
 
 
+def default_unix_allowed_uids() -> frozenset[int]:
+    """Who may connect over a unix listener unless listen.unix_allowed_uids says otherwise:
+    the daemon's own effective uid and root, the users that can read its state and signal it
+    anyway, so admitting them opens nothing new."""
+    return frozenset({os.geteuid(), 0})
+
+
 @dataclass(frozen=True, slots=True)
 class FrontLimits:
     max_tcp_handshakes: int
     max_unix_handshakes: int
     max_handshakes_per_peer: int
+    # Who may connect over a unix listener (listen.unix_allowed_uids).
+    unix_allowed_uids: frozenset[int] = field(default_factory=default_unix_allowed_uids)
 
 
 class Ticket:
@@ -167,10 +180,12 @@ class Refusals:
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()
 
-    def note(self, reason: str) -> None:
+    def note(self, reason: str, **detail: int) -> None:
+        """Count a refusal. `detail` goes on the first one's log line only (a flood makes one
+        line per interval, not one per connection)."""
         if not self.counts:
             # The first of an interval, logged as it happens (the summary follows).
-            log.info("http.refused", reason=reason)
+            log.info("http.refused", reason=reason, **detail)
         self.counts[reason] += 1
 
     def drain(self) -> dict[str, int]:
@@ -189,7 +204,16 @@ class FrontBudgets:
         self.probes = HandshakeSlots(PROBE_SLOTS)
         self.probe_peers = PeerSlots(PROBE_SLOTS_PER_PEER)
         self.refusals = Refusals()
+        self.unix_allowed_uids = limits.unix_allowed_uids
         self._draw = draw
+
+    def admit_unix_peer(self, uid: int) -> bool:
+        """Whether a process running as `uid` may connect over a unix listener; a refusal is
+        counted (reason `peer_uid`)."""
+        if uid in self.unix_allowed_uids:
+            return True
+        self.refusals.note("peer_uid", uid=uid)
+        return False
 
     def admit(self, peer: str | None) -> Ticket | None:
         """A slot for a connection from `peer` (an IP address; None on the unix listener), or
@@ -232,6 +256,17 @@ def peer_address(stream: trio.abc.Stream) -> str | None:
     if sock is None or sock.family not in (stdlib_socket.AF_INET, stdlib_socket.AF_INET6):
         return None
     return str(sock.getpeername()[0])
+
+
+def unix_peer_uid(stream: trio.abc.Stream) -> int | None:
+    """The effective uid the peer had when it connected (SO_PEERCRED, recorded by the kernel,
+    so the peer cannot lie about it), on a unix stream; None on TCP (or another kind)."""
+    sock = getattr(stream, "socket", None)
+    if sock is None or sock.family != stdlib_socket.AF_UNIX:
+        return None
+    creds = sock.getsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_PEERCRED, PEERCRED_BYTES)
+    _pid, uid, _gid = struct.unpack(PEERCRED_FORMAT, creds)
+    return int(uid)
 
 
 class ReplayStream(trio.abc.HalfCloseableStream):
@@ -293,10 +328,20 @@ async def _answer_and_close(stream: trio.abc.HalfCloseableStream, response: byte
 async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp, budgets: FrontBudgets) -> None:
     """One accepted stream, from its first byte to its close. Never raises."""
     try:
-        ticket = budgets.admit(peer_address(stream))
+        uid = unix_peer_uid(stream)
+        peer = peer_address(stream)
     except OSError:  # the peer left before we asked its address
         await trio.aclose_forcefully(stream)
         return
+    if uid is not None and not budgets.admit_unix_peer(uid):
+        # Closed before a byte is read or a slot is taken, with no answer at all: the peer is
+        # a local process that has no business here (the agent's commands, typically), and
+        # silence tells it nothing, not even that an HTTP server listens. The operator finds
+        # the refusal, with the uid, in the log (http.refused, reason peer_uid). Health is
+        # refused too: the check comes before routing.
+        await trio.aclose_forcefully(stream)
+        return
+    ticket = budgets.admit(peer)
     if ticket is None:
         await _answer_and_close(stream, http_front.TOO_MANY_HANDSHAKES_RESPONSE)
         return
