@@ -633,7 +633,7 @@ class StateStore:
                 _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
                 # Pruned in the completion's own transaction: the budget holds after every
                 # commit, and the cost is one index seek unless something is due.
-                self._prune_calls_in(conn, created_at)
+                self._prune_calls_in(conn, created_at, total)
         return rows
 
     def release_call(
@@ -714,15 +714,18 @@ class StateStore:
             return True
         return completed_at is not None and completed_at <= now - self.retention.max_age_s
 
-    def _prune_calls_in(self, conn: sqlite3.Connection, now: float) -> int:
+    def _prune_calls_in(self, conn: sqlite3.Connection, now: float, total: int | None = None) -> int:
         """Delete completed records, oldest completion first, while each is past max_age_s
         or the total of result bytes is over max_result_bytes. Walks the partial index on
         completed_at and stops at the first record that may stay, so a call that prunes
         nothing costs one index seek; each record is deleted once, so the work is amortised
-        to at most one deletion per completion. Pending records are never touched."""
+        to at most one deletion per completion. Pending records are never touched. `total`:
+        the stored bytes counter when the caller has just written it (read here otherwise)."""
         retention = self.retention
         cutoff = now - retention.max_age_s
-        total = _call_result_bytes(conn)
+        if total is None:
+            total = _call_result_bytes(conn)
+        stored = total
         victims: list[tuple[str, int | None, int | None]] = []
         cursor = conn.execute(
             "SELECT key, completed_at, result_bytes, result_seq FROM idempotency"
@@ -736,15 +739,18 @@ class StateStore:
                 total -= size or 0
         finally:
             cursor.close()
-        self._forget_completed_in(conn, victims)
+        self._forget_completed_in(conn, victims, stored)
         return len(victims)
 
     @staticmethod
     def _forget_completed_in(
-        conn: sqlite3.Connection, victims: Sequence[tuple[str, int | None, int | None]]
+        conn: sqlite3.Connection,
+        victims: Sequence[tuple[str, int | None, int | None]],
+        stored: int | None = None,
     ) -> None:
         """Forget completed records (key, result bytes, result seq), and each one's result
-        event if an ack already covers it (the record was all that kept it)."""
+        event if an ack already covers it (the record was all that kept it). `stored`: the
+        bytes counter as the caller read it, so it is not read again."""
         if not victims:
             return
         conn.executemany(
@@ -758,7 +764,7 @@ class StateStore:
         )
         freed = sum(size or 0 for _, size, _ in victims)
         # Never below zero, even over a counter a hand-edited database left too low.
-        total = max(0, _call_result_bytes(conn) - freed)
+        total = max(0, (_call_result_bytes(conn) if stored is None else stored) - freed)
         _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
 
     @staticmethod
