@@ -12,7 +12,7 @@ import json
 import os
 import signal
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -34,6 +34,7 @@ from sandbox_supervisor.daemon.ops.health import health_response
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
+from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
 from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
 from sandbox_supervisor.daemon.runtime.service import Runtime
@@ -89,6 +90,9 @@ class Daemon:
     shell: ShellRuntime | None = None  # built once the daemon's nursery is open
     runtime: Runtime | None = None
     sessions: SessionServices | None = None
+    # agent.cwd, opened once for the file tools' jail (runtime/paths.py): at bootstrap, or
+    # at start when the daemon restarts bound; closed when the daemon stops.
+    roots: WorkspaceRoots = field(default_factory=WorkspaceRoots)
 
     def request_stop(self, exit_code: int, reason: str) -> None:
         self.status.request_stop(exit_code, reason)
@@ -185,8 +189,14 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     a socket, so they run here, outliving the connection that asked for them."""
     config = daemon.config
     who = daemon.command_identity
+    roots = daemon.roots
     shell = ShellRuntime(
-        ShellSettings.from_config(config, who), daemon.store, daemon.journal, nursery, telemetry=daemon.telemetry
+        ShellSettings.from_config(config, who),
+        daemon.store,
+        daemon.journal,
+        nursery,
+        telemetry=daemon.telemetry,
+        roots=roots,
     )
     tools = bind_tools(
         ToolServices(
@@ -195,8 +205,16 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
             shell=shell,
             max_file_bytes=config.files.max_file_bytes,
             file_owner=None if who is None else (who.uid, who.gid),
+            roots=roots,
         )
     )
+    # The jail's root is opened as soon as agent.cwd is known, so a swap of agent.cwd for a
+    # symlink after that is never followed: now when the daemon restarts bound, else when a
+    # bootstrap binds (DaemonStatus.on_bound).
+    status = daemon.status
+    if status.session is not None:
+        roots.prepare(status.session.agent.cwd)
+    status.on_bound = lambda body: roots.prepare(body.agent.cwd)
     calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry)
     daemon.shell = shell
     daemon.runtime = Runtime(calls, shell)
@@ -308,6 +326,7 @@ async def run_supervisor(
     # Before the state is opened: a state dir the command user can write is never trusted.
     who = command_identity(config)
     store, keyring = open_state(config)
+    roots = WorkspaceRoots(workspace_root=str(config.paths.workspace_root))
     try:
         if store.snapshot().terminated is not None:
             log.error("supervisor.terminated_at_start")
@@ -320,10 +339,12 @@ async def run_supervisor(
             config.paths.state_dir,
             max_file_bytes=config.files.max_file_bytes,
             file_owner=None if who is None else (who.uid, who.gid),
+            roots=roots,
         )
         if recovered:
             log.warning("calls.recovered", count=recovered)
         daemon = assemble(config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who)
+        daemon.roots = roots
         try:
             bound, owned_unix = await open_daemon_listeners(config.listen.tcp, config.listen.unix, env)
         except ActivationError as exc:
@@ -363,6 +384,7 @@ async def run_supervisor(
         log.info("supervisor.stopped", exit_code=stop.exit_code, reason=stop.reason)
         return stop.exit_code
     finally:
+        roots.close()
         store.close()
 
 

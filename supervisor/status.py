@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -46,7 +47,10 @@ class DaemonStatus:
         # /healthz reports it, so a separation that silently did not happen is visible.
         self.privilege_separation = privilege_separation
         self.lifecycle = Lifecycle.SERVING
-        self.session = session
+        # Told when a bootstrap binds the session (the runtime opens agent.cwd for its jail
+        # then); set by the app, None until it is.
+        self.on_bound: Callable[[BootstrapBody], None] | None = None
+        self._session = session
         # The daemon is the fence's only writer, so the fenced generation is kept here too:
         # every frame is checked against it, and a sqlite read per frame would be waste.
         self.fence_generation = fence_generation
@@ -55,6 +59,16 @@ class DaemonStatus:
         self.started_monotonic = time.monotonic()
         self.stop: StopRequest | None = None
         self.stop_requested = trio.Event()
+
+    @property
+    def session(self) -> BootstrapBody | None:
+        return self._session
+
+    @session.setter
+    def session(self, body: BootstrapBody | None) -> None:
+        self._session = body
+        if body is not None and self.on_bound is not None:
+            self.on_bound(body)
 
     @property
     def serving(self) -> bool:

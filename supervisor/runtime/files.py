@@ -17,14 +17,19 @@ Decisions:
   and hashed, never to end of file, so a file that keeps growing cannot keep a read going.
 - A missing file is `not_found`; a directory (agent.cwd included) or a special file is
   `invalid_parameters`.
+- The file is opened by the jail's descriptor walk (`paths.open_in_jail`), never by path: a
+  retry after a change walks again from agent.cwd's descriptor.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import os
 import stat
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -32,9 +37,11 @@ from sandbox_supervisor.protocol.errors import FILE_TOO_LARGE, INTERNAL, INVALID
 from sandbox_supervisor.protocol.tools import ReadFileResult
 from sandbox_supervisor.protocol.tools import MAX_READ_LENGTH, ReadFileParams
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
+from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, JailedPath, open_path
 
 __all__ = [
     "DEFAULT_MAX_FILE_BYTES",
+    "Opener",
     "check_regular_file",
     "check_size",
     "open_regular_file",
@@ -50,22 +57,29 @@ MAX_READ_ATTEMPTS = 3
 # tools) that do not pass the configured value get this bound, never none.
 DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
 
+# Opens the file afresh through the jail (each read attempt calls it once).
+Opener = Callable[[], AbstractContextManager[JailedPath]]
+
 
 def read_file_result(
-    target: Path,
+    target: Path | Opener,
     display_path: str,
     params: ReadFileParams,
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     inline_max_bytes: int | None = None,
 ) -> dict[str, Any] | None:
-    """The read_file result for `target` (a jailed real path); raises ToolFailure.
+    """The read_file result for `target` (an opener of the jailed file, or a path the caller
+    vouches for); raises ToolFailure.
 
     With `inline_max_bytes` (the fast path on the trio thread), None when the opened file is
     larger than that, or changed while it was read: the caller goes on in a worker thread,
     so the trio thread never reads more than `inline_max_bytes` bytes, nor twice.
     """
     length = MAX_READ_LENGTH if params.length is None else params.length
+    if isinstance(target, Path):
+        path = target
+        target = lambda: open_path(path, READ_FLAGS)  # noqa: E731
     for _ in range(MAX_READ_ATTEMPTS):
         try:
             read = _read_once(target, params.offset, length, max_file_bytes, inline_max_bytes)
@@ -106,12 +120,29 @@ def check_regular_file(mode: int) -> None:
         raise ToolFailure(INVALID_PARAMETERS, "The path is not a regular file.")
 
 
-def open_regular_file(path: Path) -> tuple[BinaryIO, os.stat_result]:
-    """Open a regular file for reading, with its stat; ToolFailure for a directory or a
-    special file. FileNotFoundError and NotADirectoryError pass through: what they mean
-    depends on the tool (a missing file is an error to read, a file to create for a patch)."""
-    # O_NONBLOCK: opening a fifo must not wait for a writer; it is refused just below.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+def open_regular_file(jailed: JailedPath) -> tuple[BinaryIO, os.stat_result] | None:
+    """The jailed file opened for reading, with its stat; None when nothing is there;
+    ToolFailure for a directory or a special file; NotADirectoryError when a parent is not a
+    directory (what that means depends on the tool). The walk opened it (READ_FLAGS:
+    O_NONBLOCK, so a fifo cannot block; O_NOFOLLOW); a second call opens the same name in the
+    same parent descriptor again, and a symlink swapped in meanwhile is refused, not followed."""
+    if jailed.state == "missing":
+        return None
+    if jailed.state == "blocked":
+        raise NotADirectoryError(errno.ENOTDIR, "A parent of the path is not a directory.")
+    if jailed.fd is not None:
+        fd = jailed.take_fd()
+    else:
+        try:
+            fd = os.open(jailed.name, READ_FLAGS | os.O_NOFOLLOW, dir_fd=jailed.parent_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise ToolFailure(
+                INTERNAL, "The file was replaced by a symlink while it was used; retry."
+            ) from None
     try:
         info = os.fstat(fd)
         check_regular_file(info.st_mode)
@@ -138,16 +169,18 @@ _TOO_LARGE_FOR_INLINE: tuple[str, int, bytes] = ("", -1, b"")
 
 
 def _read_once(
-    target: Path, offset: int, length: int, max_file_bytes: int, inline_max_bytes: int | None
+    target: Opener, offset: int, length: int, max_file_bytes: int, inline_max_bytes: int | None
 ) -> tuple[str, int, bytes] | None:
     """(git blob sha, size, bytes of the range), None when the file changed meanwhile, or
     _TOO_LARGE_FOR_INLINE."""
-    try:
-        opened, before = open_regular_file(target)
-    except FileNotFoundError:
-        raise ToolFailure(NOT_FOUND, "The file does not exist.") from None
-    except NotADirectoryError:
-        raise ToolFailure(NOT_FOUND, "A parent of the path is not a directory.") from None
+    with target() as jailed:
+        try:
+            found = open_regular_file(jailed)
+        except NotADirectoryError:
+            raise ToolFailure(NOT_FOUND, "A parent of the path is not a directory.") from None
+    if found is None:
+        raise ToolFailure(NOT_FOUND, "The file does not exist.")
+    opened, before = found
     with opened as file:
         size = before.st_size
         check_size(before, max_file_bytes)

@@ -47,12 +47,15 @@ file that exists, modifies or deletes one that does not, deletes but leaves line
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
 import secrets
 import stat
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -72,10 +75,11 @@ from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.files import (
     DEFAULT_MAX_FILE_BYTES,
     READ_CHUNK_BYTES,
+    check_regular_file,
     check_size,
     open_regular_file,
 )
-from sandbox_supervisor.daemon.state.fsutil import fsync_directory
+from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, JailedPath, open_path
 
 log: FilteringBoundLogger = structlog.get_logger("supervisor.patch")
 
@@ -112,6 +116,9 @@ TEMP_NAME_CHARS = 32
 PRIVATE_TEMP_MODE = 0o600
 # The base sha is hashed in chunks of this size, the file loaded only once it matches.
 HASH_CHUNK_BYTES = READ_CHUNK_BYTES
+# A directory on the way to a created file, opened to create in it, fchown and fsync it:
+# never through a symlink.
+_DIRECTORY_OPEN_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _DEV_NULL = b"/dev/null"
 _NEWLINE = b"\n"
@@ -146,6 +153,9 @@ class PatchPlan:
     # The existing file's (uid, gid), kept on the replacement when the daemon writes as
     # another user (it is root under privilege separation); None when it is created.
     owner: tuple[int, int] | None = None
+    # Where to write: the jail's descriptors (open while the tool runs); None for a plan of a
+    # path the caller vouches for, which commit_patch opens again.
+    target: JailedPath | None = field(default=None, compare=False, repr=False)
 
     def result(self) -> dict[str, Any]:
         """The `apply_file_patch` result (docs/protocol.md §7.5)."""
@@ -413,18 +423,36 @@ def _parse_hunk(lines: list[bytes], i: int, index: int) -> tuple[_Hunk, int]:
 
 
 # --- the file system part -----------------------------------------------------------------
+#
+# Every file operation is relative to a directory descriptor from the jail's walk
+# (paths.JailedPath), one component at a time and never following a symlink: the agent may
+# swap any component for a symlink at any moment, and the daemon (root) must not read, create,
+# rename or unlink anything but the entry the jail judged.
+
+Target = Path | JailedPath
 
 
-def _open_target(path: Path, max_file_bytes: int) -> tuple[BinaryIO, os.stat_result] | None:
+@contextmanager
+def _jailed(target: Target) -> Iterator[JailedPath]:
+    """The target as descriptors: as given, or a path the caller vouches for (tests) opened
+    the same way."""
+    if isinstance(target, JailedPath):
+        yield target
+    else:
+        with open_path(target, READ_FLAGS) as jailed:
+            yield jailed
+
+
+def _open_target(jailed: JailedPath, max_file_bytes: int) -> tuple[BinaryIO, os.stat_result] | None:
     """The opened regular file and its fstat, None when nothing is there; file_too_large
     (from the opened file's fstat, before a byte is read) over `max_file_bytes`."""
     try:
-        opened, info = open_regular_file(path)
-    except FileNotFoundError:
-        _check_creatable(path)
-        return None
+        found = open_regular_file(jailed)
     except NotADirectoryError:
         raise PatchError(INVALID_PARAMETERS, "A parent of the path is not a directory.") from None
+    if found is None:
+        return None
+    opened, info = found
     try:
         check_size(info, max_file_bytes)
     except BaseException:
@@ -451,19 +479,11 @@ def _hash_from_start(file: BinaryIO, size: int) -> str:
     return digest.hexdigest()
 
 
-def _check_creatable(path: Path) -> None:
-    """The deepest existing ancestor of a missing file must be a directory (mkdir can work)."""
-    for ancestor in path.parents:
-        if ancestor.exists():
-            if not ancestor.is_dir():
-                raise PatchError(INVALID_PARAMETERS, "A parent of the path is not a directory.")
-            return
-
-
-def current_sha(path: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> str:
-    """Git blob sha of the file at `path`; ZERO_SHA when there is none (crash recovery).
+def current_sha(target: Target, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> str:
+    """Git blob sha of the file at `target`; ZERO_SHA when there is none (crash recovery).
     Streamed, never loaded; file_too_large over `max_file_bytes`."""
-    found = _open_target(path, max_file_bytes)
+    with _jailed(target) as jailed:
+        found = _open_target(jailed, max_file_bytes)
     if found is None:
         return ZERO_SHA
     opened, info = found
@@ -472,13 +492,14 @@ def current_sha(path: Path, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> 
 
 
 def plan_patch(
-    target: Path,
+    target: Target,
     display_path: str,
     params: ApplyFilePatchParams,
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> PatchPlan:
-    """Decide the patch of `target` (a jailed real path); nothing is written.
+    """Decide the patch of `target` (the jailed file, or a path the caller vouches for);
+    nothing is written.
 
     Raises PatchError: base_sha_mismatch (with current_sha), patch_does_not_apply,
     invalid_parameters (malformed diff; a directory or other non-regular file at the path);
@@ -487,7 +508,9 @@ def plan_patch(
     The base sha is checked by streaming the file through the hash first; the file is loaded
     only when it matches, so a wrong-sha patch of a large file costs one chunk of memory.
     """
-    found = _open_target(target, max_file_bytes)
+    with _jailed(target) as jailed:
+        found = _open_target(jailed, max_file_bytes)
+        real_path = jailed.real_path
     original: bytes | None = None
     mode: int | None = None
     owner: tuple[int, int] | None = None
@@ -521,7 +544,7 @@ def plan_patch(
         )
     new_sha = ZERO_SHA if outcome.new is None else git_blob_sha(outcome.new)
     return PatchPlan(
-        path=target,
+        path=real_path,
         display_path=display_path,
         old_sha=old_sha,
         new_sha=new_sha,
@@ -529,6 +552,7 @@ def plan_patch(
         hunks=outcome.hunks,
         mode=mode,
         owner=owner,
+        target=target if isinstance(target, JailedPath) else None,
     )
 
 
@@ -543,34 +567,83 @@ def commit_patch(
     The file is checked once more against plan.old_sha right before writing, which narrows
     (it cannot close) the window in which another writer changed it since the plan; the
     dispatcher serialises patches of one path. Missing parent directories of a new file are
-    created (the jail already admitted the whole path; agents expect `mkdir -p`).
+    created (the jail already admitted the whole path; agents expect `mkdir -p`), one at a
+    time with mkdirat and then opened with O_NOFOLLOW, so one the agent swaps for a symlink
+    is refused, never followed. The temp file is created, and renamed over the target, in
+    the parent's descriptor: whatever the path now names, only that directory's entry
+    changes.
 
     Ownership: with `new_owner` (uid, gid) — the command user under privilege separation,
     where the daemon writes as root — a created file and every directory created for it
-    belong to that user, and a replaced file keeps its old owner, so the agent can go on
-    editing what the control plane patched. Without it the supervisor writes as itself (the
-    agent's user when there is no separation) and the owner is not kept. A kill between the
-    temp file's creation and the rename leaves a `.<name>.<random>.patch-tmp` file behind,
-    never a half-written target.
+    belong to that user (fchown of the opened descriptor), and a replaced file keeps its old
+    owner, so the agent can go on editing what the control plane patched. Without it the
+    supervisor writes as itself (the agent's user when there is no separation) and the owner
+    is not kept. A kill between the temp file's creation and the rename leaves a
+    `.<name>.<random>.patch-tmp` file behind, never a half-written target.
     """
-    now = current_sha(plan.path, max_file_bytes=max_file_bytes)
-    if now != plan.old_sha:
-        raise PatchError(
-            BASE_SHA_MISMATCH,
-            "The file changed between planning and writing the patch.",
-            {"current_sha": now},
-        )
-    directory = plan.path.parent
-    if plan.new_bytes is None:
-        os.unlink(plan.path)
-        _settle(directory)
-        return
-    _make_directories(directory, new_owner)
-    temp = directory / _temp_name(plan.path.name)
+    with _jailed(plan.path if plan.target is None else plan.target) as jailed:
+        _commit(plan, jailed, max_file_bytes, new_owner)
+
+
+def _commit(
+    plan: PatchPlan, jailed: JailedPath, max_file_bytes: int, new_owner: tuple[int, int] | None
+) -> None:
+    opened: list[int] = []  # directories created and opened here, closed at the end
+    try:
+        if jailed.state == "missing":
+            # The file is created: its directories may exist by now (mkdir -p does not mind).
+            directory = _descend(jailed.parent_fd, jailed.tail[:-1], opened, None)
+            name = jailed.tail[-1]
+        else:
+            directory, name = jailed.parent_fd, jailed.name
+        now = ZERO_SHA if directory is None else _sha_at(directory, name, max_file_bytes)
+        if now != plan.old_sha:
+            raise PatchError(
+                BASE_SHA_MISMATCH,
+                "The file changed between planning and writing the patch.",
+                {"current_sha": now},
+            )
+        if plan.new_bytes is None:
+            assert directory is not None  # a file to delete exists
+            os.unlink(name, dir_fd=directory)
+            _settle(directory, plan.path.parent)
+            return
+        if directory is None:
+            directory = _descend(jailed.parent_fd, jailed.tail[:-1], opened, new_owner, create=True)
+            assert directory is not None
+        _write_replace(plan, directory, name, new_owner)
+        _settle(directory, plan.path.parent)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _sha_at(directory: int, name: str, max_file_bytes: int) -> str:
+    """Git blob sha of `name` in `directory` (never through a symlink); ZERO_SHA if absent."""
+    try:
+        fd = os.open(name, READ_FLAGS | os.O_NOFOLLOW, dir_fd=directory)
+    except FileNotFoundError:
+        return ZERO_SHA
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ToolFailure(
+            INTERNAL, "The file was replaced by a symlink while it was patched; nothing was written."
+        ) from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        check_regular_file(info.st_mode)
+        check_size(info, max_file_bytes)
+        return _hash_from_start(file, info.st_size)
+
+
+def _write_replace(plan: PatchPlan, directory: int, name: str, new_owner: tuple[int, int] | None) -> None:
+    assert plan.new_bytes is not None
+    temp = _temp_name(name)
     # A replaced file's bits are set with fchmod below; until then only we may open it.
     create_mode = NEW_FILE_MODE if plan.mode is None else PRIVATE_TEMP_MODE
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(temp, flags, create_mode)
+    fd = os.open(temp, flags, create_mode, dir_fd=directory)
     try:
         try:
             owner = new_owner if plan.owner is None else plan.owner
@@ -585,21 +658,83 @@ def commit_patch(
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(temp, plan.path)
+        # rename(2) replaces the entry itself: a symlink swapped in at `name` is replaced,
+        # never followed.
+        os.rename(temp, name, src_dir_fd=directory, dst_dir_fd=directory)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        try:
+            os.unlink(temp, dir_fd=directory)
+        except FileNotFoundError:
+            pass
         raise
-    _settle(directory)
 
 
-def _settle(directory: Path) -> None:
+def _descend(
+    parent: int,
+    names: list[str],
+    opened: list[int],
+    owner: tuple[int, int] | None,
+    *,
+    create: bool = False,
+) -> int | None:
+    """The directory `names` lead to below `parent`, opened with O_NOFOLLOW one level at a
+    time; None when one is missing and `create` is False. With `create`, missing ones are
+    made (mkdir -p), each made durable in its parent and, with `owner`, given to that
+    (uid, gid) so the command user can write in it. A symlink or a file where a directory
+    is wanted is refused: the jail judged these names as missing, so something replaced
+    them meanwhile."""
+    directory = parent
+    for name in names:
+        made = False
+        if create:
+            try:
+                os.mkdir(name, NEW_DIRECTORY_MODE, dir_fd=directory)
+                made = True
+            except FileExistsError:
+                pass
+        try:
+            fd = os.open(name, _DIRECTORY_OPEN_FLAGS, dir_fd=directory)
+        except FileNotFoundError:
+            if create:
+                raise  # removed right after mkdir: the error says so
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise PatchError(
+                INVALID_PARAMETERS, "A parent of the path is not a directory."
+            ) from None
+        opened.append(fd)
+        if made:
+            if owner is not None:
+                os.fchown(fd, *owner)
+            os.fsync(_fsyncable(directory, opened))
+        directory = fd
+    return directory
+
+
+def _fsyncable(directory: int, opened: list[int]) -> int:
+    """A descriptor of `directory` that fsync accepts (the walk's are O_PATH, which it does
+    not): the directory itself when it was opened here, else "." opened through it."""
+    if directory in opened:
+        return directory
+    fd = os.open(".", _DIRECTORY_OPEN_FLAGS, dir_fd=directory)
+    opened.append(fd)
+    return fd
+
+
+def _settle(directory: int, shown: Path) -> None:
     """Make the rename (or unlink) durable. It is visible already, so a directory the file
     system will not fsync costs durability across a power loss, not the patch: logged, and
     the patch is reported applied, as it is (answering "not written" would be false)."""
     try:
-        fsync_directory(directory)
+        fd = os.open(".", _DIRECTORY_OPEN_FLAGS, dir_fd=directory)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
-        log.warning("patch.fsync_failed", directory=str(directory), error=exc.strerror)
+        log.warning("patch.fsync_failed", directory=str(shown), error=exc.strerror)
 
 
 def _temp_name(name: str) -> str:
@@ -607,26 +742,6 @@ def _temp_name(name: str) -> str:
     # stays under NAME_MAX (255 bytes) whatever the target's name is.
     stem = name[:TEMP_NAME_CHARS]
     return f"{TEMP_PREFIX}{stem}.{secrets.token_hex(TEMP_RANDOM_BYTES)}{TEMP_SUFFIX}"
-
-
-def _make_directories(directory: Path, owner: tuple[int, int] | None = None) -> None:
-    """mkdir -p, each new directory made durable in its parent and, with `owner`, given to
-    that (uid, gid) so the command user can write in it."""
-    missing = []
-    for candidate in (directory, *directory.parents):
-        if candidate.is_dir():
-            break
-        missing.append(candidate)
-    for new in reversed(missing):
-        try:
-            os.mkdir(new, NEW_DIRECTORY_MODE)
-        except FileExistsError:
-            if not new.is_dir():
-                raise
-        else:
-            if owner is not None:
-                os.chown(new, *owner, follow_symlinks=False)
-        fsync_directory(new.parent)
 
 
 RecoveryOutcome = Literal["applied", "apply_now", "interrupted"]

@@ -16,6 +16,7 @@ from sandbox_supervisor.protocol.fields import STREAMS
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
+from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.tool import Recovered, RecoveryEnv, interrupted, result_body
 from sandbox_supervisor.daemon.runtime.registry import recoverers
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
@@ -53,11 +54,24 @@ def recover_pending_calls(
     *,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     file_owner: tuple[int, int] | None = None,
+    roots: WorkspaceRoots | None = None,
 ) -> int:
     """Complete every pending call; returns how many. Groups are killed first, so an
-    interrupted command's spool no longer grows while it is summarised."""
+    interrupted command's spool no longer grows while it is summarised. `roots`: the
+    daemon's opened agent.cwd, which recovered patches resolve from (a private one when
+    None, closed at the end)."""
     kill_leftover_groups(store, state_dir)
-    env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner)
+    own_roots = roots is None
+    if roots is None:
+        roots = WorkspaceRoots()
+    try:
+        return _recover_all(store, RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner, roots=roots))
+    finally:
+        if own_roots:
+            roots.close()
+
+
+def _recover_all(store: StateStore, env: RecoveryEnv) -> int:
     by_tool = recoverers()
     completed = 0
     for record in store.pending_calls():

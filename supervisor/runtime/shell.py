@@ -42,7 +42,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
     SpoolBudget,
 )
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
-from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
 from sandbox_supervisor.daemon.runtime.spool import SpoolNotFound, read_range, spool_dir, stream_path
@@ -165,9 +165,12 @@ class ShellRuntime:
         journal: Journal,
         nursery: trio.Nursery,
         telemetry: Telemetry | None = None,
+        roots: WorkspaceRoots | None = None,
     ) -> None:
         self.settings = settings
         self.telemetry = telemetry
+        # The daemon's opened agent.cwd (paths.WorkspaceRoots); None: opened per call.
+        self.roots = roots
         self.store = store
         self.journal = journal
         self.nursery = nursery
@@ -241,7 +244,15 @@ class ShellRuntime:
         """The checks of 7.4.1 before a spawn, in their order; the resolved cwd."""
         # The cwd shares the file tools' jail (agent.cwd); allowed_paths limits what file
         # tools touch, not where a command may stand.
-        cwd = resolve_in_jail(ctx.cwd, params.cwd or ".", None)
+        # Resolved by the same descriptor walk as the file tools, from agent.cwd as opened at
+        # bootstrap, but spawned by path: the command runs as the command user, who can
+        # reach only what that user may anyway, so a symlink swapped in after this check
+        # gains the agent nothing (the file tools, which run as the daemon, use the
+        # descriptors themselves).
+        if self.roots is None:
+            cwd = resolve_in_jail(ctx.cwd, params.cwd or ".", None)
+        else:
+            cwd = resolve_directory(self.roots.get(ctx.cwd), params.cwd or ".")
         if not cwd.is_dir():
             raise ToolFailure(errors.INVALID_PARAMETERS, "cwd is not a directory.")
         if ctx.allowed_commands is not None:

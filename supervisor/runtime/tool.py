@@ -20,6 +20,7 @@ import trio
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.tools import ToolCall, ToolSpec
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
+from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 from sandbox_supervisor.daemon.state.visibility import Audience
 
@@ -98,6 +99,9 @@ class ToolServices:
     patch_limiter: trio.CapacityLimiter = field(
         default_factory=lambda: trio.CapacityLimiter(PATCH_THREADS)
     )
+    # agent.cwd opened once (at bootstrap, or at a bound restart): the file tools resolve
+    # from that descriptor, never from the path again (paths.py).
+    roots: WorkspaceRoots = field(default_factory=WorkspaceRoots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +114,8 @@ class RecoveryEnv:
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
     # (uid, gid) given to what a recovered patch creates, as a live patch does ([exec] user).
     file_owner: tuple[int, int] | None = None
+    # The daemon's opened agent.cwd (paths.WorkspaceRoots), shared with the live tools.
+    roots: WorkspaceRoots = field(default_factory=WorkspaceRoots)
 
 
 @dataclass(frozen=True, slots=True)

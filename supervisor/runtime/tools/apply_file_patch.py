@@ -16,7 +16,6 @@ that was applied. Waiting is bounded instead: the file is at most `[files] max_f
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -24,7 +23,7 @@ import trio
 from sandbox_supervisor.protocol.tools import ApplyFilePatchParams, tool_spec
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
 from sandbox_supervisor.daemon.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
-from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, open_in_jail
 from sandbox_supervisor.daemon.runtime.tool import (
     Recovered,
     RecoveryEnv,
@@ -51,22 +50,32 @@ async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:
     params = running.call.parameters
     assert isinstance(params, ApplyFilePatchParams)
     ctx = running.context
-    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
-    running.view_path = str(target)
+    root = services.roots.get(ctx.cwd)
+    # Walked once here too, so a refusal comes before the lock and the thread, and the view
+    # (who may see the result, docs/protocol.md §9.1) is known even if the call is cut short
+    # while it waits; the walk in the thread is the one the write uses.
+    try:
+        with open_in_jail(root, params.path, ctx.allowed_paths, READ_FLAGS) as early:
+            running.view_path = str(early.real_path)
+    except OSError as exc:
+        raise os_failure(exc, "written") from None
     key = running.key
     store = services.store
 
     def plan_record_commit() -> dict[str, Any]:
-        # One worker-thread hop for the whole patch (reads, hashes, fsyncs): the planned
-        # result is recorded with the pending call before the write, as recovery needs.
-        plan = plan_patch(target, params.path, params, max_file_bytes=services.max_file_bytes)
-        if key is not None:
-            record = store.call_record(key)
-            intent = json.loads(record.intent_json or "{}") if record else {}
-            intent.update({"target": str(plan.path), "result": plan.result()})
-            store.set_call_intent(key, json.dumps(intent))
-        commit_patch(plan, max_file_bytes=services.max_file_bytes, new_owner=services.file_owner)
-        return plan.result()
+        # One worker-thread hop for the whole patch (walk, reads, hashes, fsyncs): the planned
+        # result is recorded with the pending call before the write, as recovery needs. The
+        # jail's descriptors stay open from the walk to the rename (paths.py).
+        with open_in_jail(root, params.path, ctx.allowed_paths, READ_FLAGS) as target:
+            running.view_path = str(target.real_path)
+            plan = plan_patch(target, params.path, params, max_file_bytes=services.max_file_bytes)
+            if key is not None:
+                record = store.call_record(key)
+                intent = json.loads(record.intent_json or "{}") if record else {}
+                intent.update({"target": str(plan.path), "result": plan.result()})
+                store.set_call_intent(key, json.dumps(intent))
+            commit_patch(plan, max_file_bytes=services.max_file_bytes, new_owner=services.file_owner)
+            return plan.result()
 
     async with services.file_write_lock:
         try:
@@ -97,18 +106,22 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
         return Recovered(result_body(record.call_id, record.key, record.tool_name, **outcome))
 
     try:
-        target = resolve_in_jail(intent["cwd"], params.path, tuple(allowed) if allowed is not None else None)
-        planned = intent.get("result")
-        if planned is not None:
-            now = current_sha(Path(intent["target"]), max_file_bytes=env.max_file_bytes)
-            decision = recover_patch(now, planned["old_sha"], planned["new_sha"])
-            if decision == "applied":
-                return body(result=planned)
-            if decision == "interrupted":
-                return body(error=interrupted(FILE_CHANGED_MESSAGE, current_sha=now))
-        plan = plan_patch(target, params.path, params, max_file_bytes=env.max_file_bytes)
-        env.store.set_call_intent(record.key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
-        commit_patch(plan, max_file_bytes=env.max_file_bytes, new_owner=env.file_owner)
-        return body(result=plan.result())
+        # The file is found again through the jail (agent.cwd's descriptor, the path walked
+        # anew), never by the recorded real path ("target", kept for people reading the
+        # journal): the agent may have swapped a component for a symlink since.
+        root = env.roots.get(intent["cwd"])
+        with open_in_jail(root, params.path, tuple(allowed) if allowed is not None else None, READ_FLAGS) as target:
+            planned = intent.get("result")
+            if planned is not None:
+                now = current_sha(target, max_file_bytes=env.max_file_bytes)
+                decision = recover_patch(now, planned["old_sha"], planned["new_sha"])
+                if decision == "applied":
+                    return body(result=planned)
+                if decision == "interrupted":
+                    return body(error=interrupted(FILE_CHANGED_MESSAGE, current_sha=now))
+            plan = plan_patch(target, params.path, params, max_file_bytes=env.max_file_bytes)
+            env.store.set_call_intent(record.key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
+            commit_patch(plan, max_file_bytes=env.max_file_bytes, new_owner=env.file_owner)
+            return body(result=plan.result())
     except ToolFailure as failure:
         return body(error=failure.to_error())

@@ -16,15 +16,16 @@ which is soon: every read is bounded by `[files] max_file_bytes`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import trio
 
 from sandbox_supervisor.protocol.tools import ReadFileParams, tool_spec
-from sandbox_supervisor.daemon.runtime.files import read_file_result
-from sandbox_supervisor.daemon.runtime.paths import resolve_in_jail
+from sandbox_supervisor.daemon.runtime.files import Opener, read_file_result
+from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, JailedPath, open_in_jail
 from sandbox_supervisor.daemon.runtime.tool import Recover, RunningCall, Tool, ToolServices
 
 NAME = "read_file"
@@ -40,7 +41,7 @@ def bind(services: ToolServices) -> Tool:
     def run_now(running: RunningCall) -> dict[str, Any] | None:
         """The result of a small file at once (or its typed failure), None for a file worth
         a worker thread."""
-        target, params = _target(running)
+        target, params = _target(running, services)
         return read_file_result(
             target,
             params.path,
@@ -50,7 +51,7 @@ def bind(services: ToolServices) -> Tool:
         )
 
     async def run(running: RunningCall) -> dict[str, Any]:
-        target, params = _target(running)
+        target, params = _target(running, services)
         read = partial(
             read_file_result, target, params.path, params, max_file_bytes=services.max_file_bytes
         )
@@ -63,10 +64,19 @@ def bind(services: ToolServices) -> Tool:
     return Tool(tool_spec(NAME), run=run, run_now=run_now)
 
 
-def _target(running: RunningCall) -> tuple[Path, ReadFileParams]:
+def _target(running: RunningCall, services: ToolServices) -> tuple[Opener, ReadFileParams]:
+    """How to open the file: a walk from agent.cwd's descriptor (opened at bootstrap), done
+    by read_file_result itself, so the file read is the file the jail judged."""
     params = running.call.parameters
     assert isinstance(params, ReadFileParams)
     ctx = running.context
-    target = resolve_in_jail(ctx.cwd, params.path, ctx.allowed_paths)
-    running.view_path = str(target)
-    return target, params
+    root = services.roots.get(ctx.cwd)
+
+    @contextmanager
+    def opener() -> Iterator[JailedPath]:
+        with open_in_jail(root, params.path, ctx.allowed_paths, READ_FLAGS) as jailed:
+            # Who may see the result depends on the real path (docs/protocol.md §9.1).
+            running.view_path = str(jailed.real_path)
+            yield jailed
+
+    return opener, params
