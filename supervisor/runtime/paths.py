@@ -88,6 +88,8 @@ _ROOT_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
 _PARENT = ".."
 _IGNORED_COMPONENTS = frozenset({"", "."})
 _DELETED_SUFFIX = " (deleted)"
+# Attempts at one component an agent keeps swapping between a symlink and something else.
+_SWAP_RETRIES = 3
 
 
 class PathOutsideWorkspace(ToolFailure):
@@ -373,39 +375,20 @@ def _walk_into(jailed: JailedPath, relative: str, final_flags: int) -> None:
                 above = len(root_parts) - 1
             # else agent.cwd is "/", whose ".." is itself
             continue
-        parent = jailed.parent_fd
         last = not pending
-        try:
-            fd = os.open(name, final_flags if last else _WALK_FLAGS, dir_fd=parent)
-        except FileNotFoundError:
-            _missing(jailed, name, pending)
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                if last and exc.errno != errno.ENAMETOOLONG:
-                    raise  # the final object exists but cannot be opened so: the tool words it
-                raise ToolFailure(
-                    INVALID_PARAMETERS, f"The path cannot be resolved: {exc.strerror}."
-                ) from None
-            try:
-                target = os.readlink(name, dir_fd=parent)
-            except FileNotFoundError:
-                # Swapped away between the two calls: as missing as it now is.
-                _missing(jailed, name, pending)
-                return
-            except OSError:
-                # Not a symlink: a file where a directory is needed (ELOOP cannot come
-                # from anything but a symlink with O_NOFOLLOW).
-                jailed.state, jailed.tail = "blocked", [name, *pending]
-                return
+        opened = _open_component(jailed, name, pending, final_flags if last else _WALK_FLAGS, last)
+        if opened is None:
+            return  # missing or blocked: the tail is recorded
+        if isinstance(opened, str):
             hops += 1
             if hops > MAX_SYMLINK_HOPS:
-                raise ToolFailure(INVALID_PARAMETERS, "The path runs into a symlink loop.") from None
-            if target.startswith("/"):
-                above = restart_from(target)
+                raise ToolFailure(INVALID_PARAMETERS, "The path runs into a symlink loop.")
+            if opened.startswith("/"):
+                above = restart_from(opened)
             else:
-                pending.extendleft(reversed(_components(target)))
+                pending.extendleft(reversed(_components(opened)))
             continue
+        fd = opened
         if last:
             jailed.name, jailed.fd = name, fd
             return
@@ -415,6 +398,43 @@ def _walk_into(jailed: JailedPath, relative: str, final_flags: int) -> None:
         raise _Outside
     # The path ends at a directory of the walk (agent.cwd, or after `..`): open it as such.
     jailed.name, jailed.fd = ".", os.open(".", final_flags, dir_fd=jailed.parent_fd)
+
+
+def _open_component(
+    jailed: JailedPath, name: str, pending: deque[str], flags: int, last: bool
+) -> int | str | None:
+    """`name` in the current directory: its descriptor, its symlink target (str), or None
+    once the tail is recorded (missing, or a non-directory with components after it).
+
+    open(O_NOFOLLOW) fails on a symlink (ELOOP, or ENOTDIR with O_DIRECTORY) and readlink
+    then reads it; if the entry was swapped back to a non-symlink between the two calls,
+    readlink fails with EINVAL and the open is tried again (a few times), so an agent
+    swapping an entry back and forth gets the entry's state at one moment, not an error
+    made of two."""
+    parent = jailed.parent_fd
+    for _ in range(_SWAP_RETRIES):
+        try:
+            return os.open(name, flags, dir_fd=parent)
+        except FileNotFoundError:
+            _missing(jailed, name, pending)
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                if last and exc.errno != errno.ENAMETOOLONG:
+                    raise  # the final object exists but cannot be opened so: the tool words it
+                raise ToolFailure(
+                    INVALID_PARAMETERS, f"The path cannot be resolved: {exc.strerror}."
+                ) from None
+        try:
+            return os.readlink(name, dir_fd=parent)
+        except FileNotFoundError:
+            _missing(jailed, name, pending)  # removed since: as missing as it now is
+            return None
+        except OSError:
+            continue  # not a symlink (any more): open it again
+    # Still not a symlink: a file where a directory is needed.
+    jailed.state, jailed.tail = "blocked", [name, *pending]
+    return None
 
 
 def _missing(jailed: JailedPath, name: str, pending: deque[str]) -> None:
