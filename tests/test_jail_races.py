@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from sandbox_supervisor.daemon.runtime.patch import git_blob_sha
+from sandbox_supervisor.testing.daemon import in_process_daemon
 
 ZERO = "0" * 40
 SECRET = "outside secret\n"
@@ -176,7 +177,8 @@ async def test_patches_never_write_through_a_directory_swapped_for_a_symlink(dae
                 current = SHA_TEXT.get(answer["error"]["current_sha"], current)
     finally:
         swapper.stop()
-    assert {name: (outside / name).read_bytes() for name in os.listdir(outside)} == before, seen
+    assert sorted(os.listdir(outside)) == sorted(before), seen  # nothing created outside
+    assert {name: (outside / name).read_bytes() for name in before} == before, seen  # nor changed
     assert seen["ok"] > 0 and seen["path_outside_workspace"] > 0, seen
     assert (ws / "dir" / "g").read_text() == current
 
@@ -203,3 +205,23 @@ async def test_agent_cwd_replaced_after_bootstrap_keeps_the_opened_directory(dae
     ws.symlink_to("/")
     etc = await session.call_and_wait("read_file", {"path": "etc/hostname"})
     assert etc["error"]["code"] == "not_found"
+
+
+async def test_a_restarted_daemon_opens_agent_cwd_before_any_call(layout, outside):
+    """A bound daemon that restarts opens agent.cwd at start, not at the first call: a swap
+    made after the start (before any call) is not followed either."""
+    ws = layout.workspace
+    (ws / "f").write_text(INSIDE)
+    async with in_process_daemon(layout) as first:
+        client = first.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(ws))
+    async with in_process_daemon(layout) as second:
+        moved = ws.with_name("workspace-moved")
+        ws.rename(moved)
+        ws.symlink_to(outside)
+        client.endpoint = second.tcp  # the same control plane: its generations go on
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(ws))  # the same body: re-attaches
+            read = await session.call_and_wait("read_file", {"path": "f"})
+    assert read["ok"] and read["result"]["content"] == INSIDE, read
