@@ -168,6 +168,9 @@ class WorkspaceRoots:
             pass
 
     def close(self) -> None:
+        """At the daemon's stop, after its nursery: a read thread abandoned by that stop may
+        still hold a root's number, but the process exits next (in-process daemons of the
+        tests excepted, where such a thread meets EBADF or, at worst, a reused number)."""
         with self._lock:
             for root in self._roots.values():
                 root.close()
