@@ -188,11 +188,12 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
     FORBIDDEN: (
         "The connection lacks the tool's scope, or the allowed_commands guard refused the "
         "command line or an environment variable (the error then has command, and variable "
-        "for an environment variable)."
+        "for an environment variable), or a retried key's command ran under other "
+        "allowed_commands (nothing replayed)."
     ),
     PATH_OUTSIDE_WORKSPACE: (
         "The path, or the shell's cwd, resolves outside agent.cwd or outside the assertion's "
-        "allowed_paths."
+        "allowed_paths; or a retried key's recorded result lies outside them (nothing replayed)."
     ),
     NOT_FOUND: (
         "read_file: no such file, or a parent is not a directory; any tool: agent.cwd no "

@@ -215,7 +215,7 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     if status.session is not None:
         roots.prepare(status.session.agent.cwd)
     status.on_bound = lambda body: roots.prepare(body.agent.cwd)
-    calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry)
+    calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry, roots=roots)
     daemon.shell = shell
     daemon.runtime = Runtime(calls, shell)
     ws = config.websocket

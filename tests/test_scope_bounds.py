@@ -207,3 +207,32 @@ async def test_the_legacy_setting_gives_every_assertion_session_control(tmp_path
             await session.ack(daemon.supervisor.journal.last_seq)
             await session.call_and_wait("read_file", {"path": "nothing-here"})  # the ack was processed
         assert daemon.supervisor.store.snapshot().ack_floor >= 1
+
+
+async def test_a_socket_limited_in_commands_sees_only_output_run_under_its_limit(daemon):
+    """allowed_commands bounds the shell output a socket sees (§9.1): its own commands' output
+    reaches it; a command run without that limit (the owner's) is withheld, live or replayed,
+    and a retry of the owner's key is refused rather than replayed."""
+    client = daemon.client()
+    async with client.connect() as owner:
+        await owner.bootstrap(cwd=str(daemon.layout.workspace))
+        ran = await owner.call_and_wait("execute_shell_command", {"command": f"echo {SHELL_SECRET}"}, idempotency_key="k-own")
+        assert ran["ok"]
+    last = daemon.supervisor.journal.last_seq
+    client.scope = "shell:exec"
+    client.state.events.clear()
+    limited = {"allowed_commands": ["echo"]}
+    async with client.connect(ack_floor=0, claim_overrides=limited) as worker:
+        await worker.bootstrap(cwd=str(daemon.layout.workspace))
+        replayed = await drain_frames(worker, last)
+        assert {f["kind"] for f in replayed if "seq" in f} == {EVENT_WITHHELD}
+        mine = await worker.call_and_wait("execute_shell_command", {"command": "echo mine-42"}, idempotency_key="k-w")
+        assert mine["ok"] and mine["result"]["stdout"]["head"] == "mine-42\n"
+        retry = await worker.call("execute_shell_command", {"command": f"echo {SHELL_SECRET}"}, idempotency_key="k-own")
+        frame = await worker.receive_until(
+            lambda f: f["body"].get("call_id") == retry and f["kind"] in ("tool.result", "tool.replayed")
+        )
+        assert frame["kind"] == "tool.result" and frame["body"]["error"]["code"] == errors.FORBIDDEN
+    seen = [f for f in client.state.events.values() if f["kind"] != EVENT_WITHHELD]
+    assert {f["kind"] for f in seen} == {"exec.started", "exec.output", "exec.completed", "tool.result"}
+    assert SHELL_SECRET not in json.dumps(seen)

@@ -114,7 +114,7 @@ def test_a_version_1_journal_is_migrated_with_its_events_intact(state_dir: Path)
         columns = [row[1] for row in conn.execute("PRAGMA table_info(events)")]
     finally:
         conn.close()
-    assert columns == ["seq", "kind", "frame_json", "created_at", "scope", "path"]
+    assert columns == ["seq", "kind", "frame_json", "created_at", "scope", "path", "commands"]
 
 
 def test_fresh_snapshot_is_unbound_and_empty(store: StateStore) -> None:
@@ -234,7 +234,7 @@ def test_a_batch_with_a_bad_event_journals_nothing(store: StateStore) -> None:
 def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
         store.append_events([("tool.result", tool_result(n=n)) for n in range(1, 6)], now=NOW)
-        assert store.raise_ack_floor(5, prune=True) == 5
+        assert store.raise_ack_floor(5) == 5
         snap = store.snapshot()
         # Everything pruned: oldest retained is one past the max, and the max is kept.
         assert (snap.local_event_max, snap.oldest_retained_seq) == (5, 6)
@@ -246,11 +246,11 @@ def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
 
 def test_an_ack_prunes_what_the_floor_covers_and_no_more(store: StateStore) -> None:
     store.append_events([("tool.result", tool_result()) for _ in range(4)], now=NOW)
-    store.raise_ack_floor(2, prune=True)
+    store.raise_ack_floor(2)
     assert [seq for seq, _ in store.events_after(0, 10)] == [3, 4]
     assert store.snapshot().oldest_retained_seq == 3
     # A lower ack later never lowers the floor, and prunes nothing more.
-    assert store.raise_ack_floor(1, prune=True) == 2
+    assert store.raise_ack_floor(1) == 2
     assert [seq for seq, _ in store.events_after(0, 10)] == [3, 4]
 
 
@@ -261,7 +261,7 @@ def test_an_ack_that_fails_moves_neither_the_floor_nor_the_journal(store: StateS
         "CREATE TEMP TRIGGER refuse_prune BEFORE DELETE ON events BEGIN SELECT RAISE(ABORT, 'disk I/O'); END"
     )
     with pytest.raises(StoreError):
-        store.raise_ack_floor(2, prune=True)
+        store.raise_ack_floor(2)
     assert store.snapshot().ack_floor == 0
     assert [seq for seq, _ in store.events_after(0, 10)] == [1, 2, 3]
 
@@ -342,8 +342,5 @@ def test_writes_survive_kill_9_of_the_writer(state_dir: Path) -> None:
         assert snap.bound_session_id == "session-k"
         assert (snap.local_event_max, snap.ack_floor) == (3, 2)
         assert store.jti_seen("jti-7", 1.7e9)
-        # All three committed; those at or below the floor are kept (no prune ran) but are
-        # no longer replayed.
-        stored = store._conn.execute("SELECT frame_json FROM events ORDER BY seq").fetchall()
-        assert [json.loads(f)["body"]["result"] for (f,) in stored] == [{"n": 0}, {"n": 1}, {"n": 2}]
-        assert [seq for seq, _ in store.events_after(0, 10)] == [3]
+        # All three were committed; the ack pruned what it covered, with the floor.
+        assert [json.loads(f)["body"]["result"] for _, f in store.events_after(0, 10)] == [{"n": 2}]

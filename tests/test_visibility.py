@@ -58,8 +58,14 @@ def test_visible(view, audience, expected):
 
 def test_views_of_results_and_events():
     assert result_view("read_file", None, "/ws/a") == EventView("files:read", "/ws/a")
-    assert result_view("apply_file_patch", "base_sha_mismatch", None) == EventView("files:write", UNKNOWN_PATH)
+    # A live failure before any path was resolved tells only its caller's input: scope alone;
+    # a success with no path known is bound to an unknown one (outside every allowed path).
+    assert result_view("read_file", errors.INVALID_PARAMETERS, None) == EventView("files:read", None)
     assert result_view("read_file", errors.PATH_OUTSIDE_WORKSPACE, None) == EventView("files:read", None)
+    assert result_view("apply_file_patch", None, None) == EventView("files:write", UNKNOWN_PATH)
+    # Rows from before views existed: a file tool's failure may carry a sha, so unknown too.
+    assert default_view("tool.result", "apply_file_patch", "base_sha_mismatch") == EventView("files:write", UNKNOWN_PATH)
+    assert default_view("tool.result", "read_file", errors.PATH_OUTSIDE_WORKSPACE) == EventView("files:read", None)
     assert result_view("execute_shell_command", None, None) == SHELL_VIEW
     assert result_view("no_such_tool", errors.INVALID_PARAMETERS, None) == PUBLIC
     assert result_view(None, errors.INVALID_PARAMETERS, None) == PUBLIC
@@ -94,7 +100,7 @@ def test_a_keyed_result_is_stored_once_and_outlives_the_ack_only_while_its_recor
         store.append_events([("tool.result", read_result("plain"))])
         columns = [row[1] for row in store._conn.execute("PRAGMA table_info(idempotency)")]
         assert "result_frame" not in columns  # no second copy of the result
-        store.raise_ack_floor(2, prune=True)
+        store.raise_ack_floor(2)
         # Acked: not replayed any more, but the record still has its exact frame.
         assert store.events_after(0, 10) == []
         assert store.snapshot().oldest_retained_seq == 3

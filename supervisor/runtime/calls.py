@@ -39,7 +39,17 @@ from sandbox_supervisor.daemon.runtime.tool import (
 )
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import CallRecord, JournalRow, StateStore, StoreError
-from sandbox_supervisor.daemon.state.visibility import PUBLIC, EventView, result_view, visible
+from sandbox_supervisor.daemon.runtime.audience import audience_for
+from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
+from sandbox_supervisor.daemon.state.visibility import (
+    PUBLIC,
+    EventView,
+    call_result_view,
+    commands_origin,
+    is_path_bound,
+    result_view,
+    visible,
+)
 from sandbox_supervisor.daemon.telemetry import Telemetry
 
 __all__ = ["CallContext", "CallRunner", "Outcome", "RunningCall", "SendReply", "error_frame", "idempotency_outcome"]
@@ -70,6 +80,7 @@ KEY_REUSED_MESSAGE = "The idempotency key was used for a different call."
 # A retry whose first result lies outside the retrying socket's allowed_paths: refused as the
 # jail refuses the same call run fresh, so a key never reads what the path rules hide.
 REPLAY_OUTSIDE_MESSAGE = "The call's recorded result is not under any of allowed_paths."
+REPLAY_OTHER_COMMANDS_MESSAGE = "The call's recorded result ran under other allowed_commands."
 TOOL_CRASHED_MESSAGE = "The supervisor failed to run the tool."
 
 
@@ -149,8 +160,11 @@ class CallRunner:
         nursery: trio.Nursery,
         tools: Mapping[str, Tool],
         telemetry: Telemetry | None = None,
+        roots: WorkspaceRoots | None = None,
     ) -> None:
         self.store = store
+        # The opened agent.cwd, to judge a retry's view with the jail's walk as it is now.
+        self.roots = roots if roots is not None else WorkspaceRoots()
         self.telemetry = telemetry
         self.journal = journal
         self.nursery = nursery
@@ -249,6 +263,8 @@ class CallRunner:
                     "parameters": call.parameters.model_dump(mode="json"),
                     "cwd": context.cwd,
                     "allowed_paths": context.allowed_paths,
+                    # Who may see a recovered command's events (docs/protocol.md §9.1).
+                    "allowed_commands": context.allowed_commands,
                     "session_id": context.session_id,
                     "generation": context.generation,
                 }
@@ -267,7 +283,7 @@ class CallRunner:
         if outcome is Outcome.REPLAY:
             assert existing is not None and existing.result_frame is not None
             if not self._may_see(existing.result_view, context):
-                self._refuse_replay(call)
+                self._refuse_replay(call, context)
                 return False
             await reply(encode_replayed(call.call_id, key, existing.result_frame))
             return False
@@ -283,22 +299,34 @@ class CallRunner:
             # is then a new execution, as it would have been at once.
             return await self._claim(call, context, reply)
         if not self._may_see(_view(kept.running, kept.body), context):
-            self._refuse_replay(call)
+            self._refuse_replay(call, context)
             return False
         await reply(encode_replayed(call.call_id, key, frame))
         return False
 
-    @staticmethod
-    def _may_see(view: EventView | None, context: CallContext) -> bool:
-        return context.audience is None or (view is not None and visible(view, context.audience))
+    def _may_see(self, view: EventView | None, context: CallContext) -> bool:
+        """Whether the retrying socket may see a recorded result. Its allowed_paths are
+        resolved again for this (not taken from when it attached): a replay answers as the
+        same call run fresh would, and the jail judges a fresh call by the paths as they are."""
+        if context.audience is None or context.audience.sees_everything:
+            return True
+        if view is None:
+            return False
+        fresh = audience_for(self.roots, context.scopes, context.allowed_paths, context.allowed_commands, context.cwd)
+        return visible(view, fresh)
 
-    def _refuse_replay(self, call: ToolCall) -> None:
-        """A retry may only replay what its socket could see (docs/protocol.md §8, §9.1): the
-        scope check has passed, so what hides the result is the path rule, and the answer is
-        the one the jail gives the same call run fresh. The record is left as it is."""
-        error = {"code": errors.PATH_OUTSIDE_WORKSPACE, "message": REPLAY_OUTSIDE_MESSAGE}
-        body = result_body(call.call_id, call.idempotency_key, call.tool_name, error=error)
-        self._journal_refusal(body, result_view(call.tool_name, errors.PATH_OUTSIDE_WORKSPACE, None))
+    def _refuse_replay(self, call: ToolCall, context: CallContext) -> None:
+        """A retry may only replay what its socket could see (docs/protocol.md §8, §9.1); the
+        scope check has passed, so what hides the result is a file tool's path (answered as
+        the jail answers the same call run fresh) or the allowed_commands a command ran under.
+        The record is left as it is."""
+        if is_path_bound(call.tool_name):
+            code, message = errors.PATH_OUTSIDE_WORKSPACE, REPLAY_OUTSIDE_MESSAGE
+        else:
+            code, message = errors.FORBIDDEN, REPLAY_OTHER_COMMANDS_MESSAGE
+        body = result_body(call.call_id, call.idempotency_key, call.tool_name, error={"code": code, "message": message})
+        # Seen by the socket that sent the retry: its own answer.
+        self._journal_refusal(body, result_view(call.tool_name, code, None, commands_origin(context.allowed_commands)))
 
     async def _run(self, running: RunningCall, tool: Tool) -> None:
         try:
@@ -416,10 +444,11 @@ class CallRunner:
         view = _view(running, body)
         if key is not None and frees_key(running, body):
             return self.journal.release_call(key, body, view)
-        return self.journal.complete_call(key, body, running.final_events, view)
+        origin = commands_origin(running.context.allowed_commands)
+        return self.journal.complete_call(key, body, running.final_events, view, origin)
 
 
 def _view(running: RunningCall, body: dict[str, Any]) -> EventView:
-    """Who may see this call's tool.result: its tool's scope, and the path it touched."""
-    error = body.get("error") or {}
-    return result_view(body["tool_name"], error.get("code"), running.view_path)
+    """Who may see this call's tool.result: its tool's scope, the path it touched, and (a
+    command's) the allowed_commands it ran under."""
+    return call_result_view(body, running.view_path, commands_origin(running.context.allowed_commands))

@@ -96,6 +96,7 @@ class CommandOutput:
         streams: Mapping[Stream, StreamOutput],
         journal: Journal,
         telemetry: Telemetry | None = None,
+        origin: str | None = None,
     ) -> None:
         if set(streams) != set(STREAMS):
             raise ValueError(f"a command's output has the streams {STREAMS}")
@@ -103,6 +104,8 @@ class CommandOutput:
         self.streams: dict[Stream, StreamOutput] = {name: streams[name] for name in STREAMS}
         self._journal = journal
         self._telemetry = telemetry
+        # The allowed_commands the command runs under: who may see its output (§9.1).
+        self._origin = origin
         # Set once the call's exec.completed is built: later chunks are after_exit, and the
         # flusher ends once both pipes are closed and drained.
         self.call_completed = False
@@ -121,6 +124,7 @@ class CommandOutput:
         limits: OutputLimits,
         journal: Journal,
         telemetry: Telemetry | None = None,
+        origin: str | None = None,
     ) -> CommandOutput:
         """Create the call's spool (its directory now; each stream's file with its first
         byte). OSError when it cannot be created — FileExistsError for a call that already
@@ -136,7 +140,7 @@ class CommandOutput:
             for stream in streams.values():
                 stream.spool.close()
             raise
-        return cls(call_id, streams, journal, telemetry)
+        return cls(call_id, streams, journal, telemetry, origin)
 
     # --- what the call asks ----------------------------------------------------------------
 
@@ -251,7 +255,7 @@ class CommandOutput:
         if not events:
             return
         try:
-            self._journal.append(events)
+            self._journal.append(events, origin=self._origin)
         except StoreError:
             # The live view is lossy by design: the bytes are in the spool, and the next
             # event's offset shows the gap, so a full disk costs events, not the daemon.

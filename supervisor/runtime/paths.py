@@ -69,6 +69,7 @@ __all__ = [
     "PathOutsideWorkspace",
     "WorkspaceRoot",
     "WorkspaceRoots",
+    "allowed_real_paths",
     "open_in_jail",
     "open_path",
     "resolve_directory",
@@ -300,6 +301,26 @@ def _walk_or_refuse(root: WorkspaceRoot, relative: str, final_flags: int) -> Jai
         raise PathOutsideWorkspace(
             f"Path {relative!r} walks '..' out of a directory that does not exist."
         ) from None
+
+
+def allowed_real_paths(root: WorkspaceRoot, allowed_paths: Sequence[str]) -> tuple[str, ...]:
+    """The real paths `allowed_paths` name, walked exactly as `open_in_jail` judges them (an
+    entry that cannot be resolved admits nothing, and is left out): what decides which
+    journaled results a socket may see (docs/protocol.md §9.1) is the rule that decides which
+    paths it may open."""
+    found: list[str] = []
+    for allowed in allowed_paths:
+        if allowed == "" or "\x00" in allowed:
+            continue
+        try:
+            entry = _walk(root, allowed, DIRECTORY_FLAGS)
+        except (_Outside, _UnresolvablePath, ToolFailure, OSError):
+            continue
+        try:
+            found.append(str(entry.real_path))
+        finally:
+            entry.close()
+    return tuple(found)
 
 
 def _admits(root: WorkspaceRoot, allowed: str, wanted: list[str]) -> bool:

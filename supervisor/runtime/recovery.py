@@ -8,6 +8,7 @@ output it had spooled); a tool without one is reported interrupted.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import structlog
@@ -19,6 +20,7 @@ from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.tool import Recovered, RecoveryEnv, interrupted, result_body
 from sandbox_supervisor.daemon.runtime.registry import recoverers
+from sandbox_supervisor.daemon.state.visibility import call_result_view, commands_origin
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
 
 log = structlog.get_logger("supervisor.recovery")
@@ -84,6 +86,23 @@ def _recover_all(store: StateStore, env: RecoveryEnv) -> int:
                 # One unreadable record or file (a spool gone, an intent that no longer
                 # parses) must not keep the daemon down: the call is reported interrupted.
                 log.exception("recovery.failed", call_id=record.call_id, tool=record.tool_name)
-        store.complete_call(record.key, recovered.body, preceding=recovered.preceding)
+        # Who may see it (docs/protocol.md §9.1): the path the recovery resolved, and the
+        # allowed_commands the call was accepted under (none recorded: seen as unlimited).
+        origin = commands_origin(_recorded_commands(record))
+        store.complete_call(
+            record.key,
+            recovered.body,
+            preceding=recovered.preceding,
+            view=call_result_view(recovered.body, recovered.view_path, origin),
+            origin=origin,
+        )
         completed += 1
     return completed
+
+
+def _recorded_commands(record: CallRecord) -> list[str] | None:
+    try:
+        commands = json.loads(record.intent_json or "{}").get("allowed_commands")
+    except (ValueError, AttributeError):
+        return None
+    return [str(name) for name in commands] if isinstance(commands, list) else None

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sandbox_supervisor.protocol import errors
@@ -16,9 +16,11 @@ from sandbox_supervisor.protocol.frames import (
     ExecReadOutputFrame,
     ExecSignalFrame,
 )
+from sandbox_supervisor.daemon.runtime.audience import audience_for
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
 from sandbox_supervisor.daemon.runtime.tool import CallContext, SendReply
+from sandbox_supervisor.daemon.state.visibility import Audience
 
 UNKNOWN_CALL_MESSAGE = "No such command call."
 NOT_RUNNING_MESSAGE = "The command has finished."
@@ -33,6 +35,17 @@ class Runtime:
         self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool]
     ) -> None:
         await self.calls.submit(body, context, reply, may_act)
+
+    def audience(
+        self,
+        scopes: Iterable[str],
+        allowed_paths: Sequence[str] | None,
+        allowed_commands: Sequence[str] | None,
+        cwd: str,
+    ) -> Audience:
+        """What a socket with these claims may see (docs/protocol.md §9.1), its allowed_paths
+        resolved by the jail's walk from the opened agent.cwd."""
+        return audience_for(self.calls.roots, scopes, allowed_paths, allowed_commands, cwd)
 
     def exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> ErrorFrame | ExecOutputPageFrame | None:
         """exec.signal (an error, or nothing once sent) and exec.read_output (a page, or an

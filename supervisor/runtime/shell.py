@@ -32,6 +32,7 @@ from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, Signal
 from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams, ToolCall
 from sandbox_supervisor.daemon.config import SupervisorConfig
+from sandbox_supervisor.daemon.state.visibility import commands_origin
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
 from sandbox_supervisor.daemon.state.store import StateStore, StoreError
@@ -281,7 +282,12 @@ class ShellRuntime:
         env = build_environment(self.settings.base_env, ctx.agent_env, params.env, self.settings.identity)
         try:
             output = CommandOutput.open(
-                self.settings.state_dir, call_id, self.settings.output_limits(), self.journal, self.telemetry
+                self.settings.state_dir,
+                call_id,
+                self.settings.output_limits(),
+                self.journal,
+                self.telemetry,
+                commands_origin(ctx.allowed_commands),
             )
         except OSError as exc:
             raise start_failure(exc) from None
@@ -329,6 +335,7 @@ class ShellRuntime:
                     "idempotency_key": call.idempotency_key,
                 },
             },
+            commands_origin(ctx.allowed_commands),
         )
 
     async def _abandon(self, command: Command) -> None:

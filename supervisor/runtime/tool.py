@@ -124,6 +124,8 @@ class Recovered:
 
     body: dict[str, Any]
     preceding: list[Event] = field(default_factory=list)
+    # The real path a file tool's recovery resolved (docs/protocol.md §9.1), as RunningCall's.
+    view_path: str | None = None
 
 
 Run = Callable[[RunningCall], Awaitable[dict[str, Any]]]

@@ -9,7 +9,7 @@ cancelled together when the socket is asked to close.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,7 +47,6 @@ from sandbox_supervisor.daemon.session.control import (
     error_reply,
 )
 from sandbox_supervisor.daemon.session.hub import Connection, SessionHub
-from sandbox_supervisor.daemon.session.audience import audience_for
 from sandbox_supervisor.daemon.session.sender import SocketSender
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import AckAhead, StateStore, StoreError
@@ -74,6 +73,14 @@ class RuntimePort(Protocol):
     ) -> None: ...
 
     def exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> ServerFrameModel | None: ...
+
+    def audience(
+        self,
+        scopes: Iterable[str],
+        allowed_paths: Sequence[str] | None,
+        allowed_commands: Sequence[str] | None,
+        cwd: str,
+    ) -> Audience: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,7 +383,10 @@ class ControlSocket:
         if self._audience is None:
             session = self.services.status.session
             assert session is not None  # attached implies bound
-            self._audience = audience_for(self.conn.scopes, self.conn.claims.allowed_paths, session.agent.cwd)
+            claims = self.conn.claims
+            self._audience = self.services.runtime.audience(
+                self.conn.scopes, claims.allowed_paths, claims.allowed_commands, session.agent.cwd
+            )
         return self._audience
 
     def _call_context(self) -> CallContext:

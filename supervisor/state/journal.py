@@ -66,7 +66,7 @@ class Journal:
     def acknowledge(self, seq: int) -> int:
         """Raise the ack floor (AckAhead above the journal) and prune what it covers, in one
         transaction (StoreError: neither happened)."""
-        floor = self.store.raise_ack_floor(seq, prune=True)
+        floor = self.store.raise_ack_floor(seq)
         self.pruned_through = max(self.pruned_through, floor)
         self._trim_recent()
         return floor
@@ -97,9 +97,9 @@ class Journal:
         for wake in list(self._listeners):
             wake()
 
-    def append(self, events: Sequence[tuple[str, dict[str, Any]]]) -> list[JournalRow]:
-        """Commit events (dense seqs) and wake the senders; returns [(seq, frame_json)]."""
-        rows = self.store.append_events(events)
+    def append(self, events: Sequence[tuple[str, dict[str, Any]]], origin: str | None = None) -> list[JournalRow]:
+        """Commit events (dense seqs) and wake the senders; `origin`: see StateStore."""
+        rows = self.store.append_events(events, origin=origin)
         self._appended(rows)
         return rows
 
@@ -109,9 +109,10 @@ class Journal:
         result_body: dict[str, Any],
         preceding: Sequence[tuple[str, dict[str, Any]]] = (),
         view: EventView | None = None,
+        origin: str | None = None,
     ) -> list[JournalRow]:
         """Journal a call's final events and complete its idempotency record atomically."""
-        rows = self.store.complete_call(key, result_body, preceding=preceding, view=view)
+        rows = self.store.complete_call(key, result_body, preceding=preceding, view=view, origin=origin)
         self._appended(rows)
         return rows
 
@@ -122,9 +123,15 @@ class Journal:
         return rows
 
     def start_process(
-        self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
+        self,
+        call_id: str,
+        pid: int,
+        pgid: int,
+        start_ticks: int,
+        started_body: dict[str, Any],
+        origin: str | None = None,
     ) -> list[JournalRow]:
         """Record a spawned process group and journal its exec.started, in one transaction."""
-        rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body)
+        rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body, origin)
         self._appended(rows)
         return rows

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
-from sandbox_supervisor.daemon.state.visibility import EventView, default_view
+from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
 
 DB_FILENAME = "supervisor.sqlite3"
 STATE_DIR_MODE = 0o700
@@ -127,6 +127,7 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
         # path a file tool touched. Existing rows get theirs from what they say (below).
         "ALTER TABLE events ADD COLUMN scope TEXT",
         "ALTER TABLE events ADD COLUMN path TEXT",
+        "ALTER TABLE events ADD COLUMN commands TEXT",
         # A result is stored once (docs/protocol.md §8): a completed record points at its
         # tool.result event, which acks no longer delete while the record lives. Results
         # whose event an ack already pruned go back into the journal under their own seq
@@ -272,14 +273,14 @@ class CallRecord:
 # A record joined with the event that holds its result.
 _CALL_SELECT = (
     "SELECT i.key, i.tool_name, i.digest, i.call_id, i.state, i.result_seq, e.frame_json,"
-    " e.scope, e.path, i.intent_json, i.completed_at, i.result_bytes"
+    " e.scope, e.path, e.commands, i.intent_json, i.completed_at, i.result_bytes"
     " FROM idempotency AS i LEFT JOIN events AS e ON e.seq = i.result_seq"
 )
 
 
 def _call_record(row: Sequence[Any]) -> CallRecord:
-    key, tool_name, digest, call_id, state, result_seq, frame, scope, path, intent = row[:10]
-    view = EventView(scope, path) if frame is not None else None
+    key, tool_name, digest, call_id, state, result_seq, frame, scope, path, commands, intent = row[:11]
+    view = EventView(scope, path, commands) if frame is not None else None
     return CallRecord(key, tool_name, digest, call_id, state, result_seq, frame, view, intent)
 
 
@@ -456,12 +457,15 @@ class StateStore:
             raise ValueError("limit must be positive")
         with self._transaction(write=False) as conn:
             cursor = conn.execute(
-                "SELECT seq, frame_json, scope, path FROM events WHERE seq > MAX(?, COALESCE("
+                "SELECT seq, frame_json, scope, path, commands FROM events WHERE seq > MAX(?, COALESCE("
                 f"(SELECT CAST(value AS INTEGER) FROM meta WHERE key = '{META_ACK_FLOOR}'), 0))"
                 " ORDER BY seq LIMIT ?",
                 (seq, limit),
             )
-            rows = (JournalRow(seq, frame, EventView(scope, path)) for seq, frame, scope, path in cursor)
+            rows = (
+                JournalRow(seq, frame, EventView(scope, path, commands))
+                for seq, frame, scope, path, commands in cursor
+            )
             if max_chars is None:
                 return list(rows)
             return take_within(rows, max_chars)  # sqlite steps row by row: the rest is never read
@@ -519,11 +523,12 @@ class StateStore:
                 "INSERT OR IGNORE INTO meta (key, value) VALUES (?, ?)", (META_TERMINATED, value)
             )
 
-    def raise_ack_floor(self, seq: int, *, prune: bool = False) -> int:
+    def raise_ack_floor(self, seq: int) -> int:
         """Raise the ack floor to `seq` (never lowers it); returns the floor now in force.
-        AckAhead when `seq` is above the highest journaled seq. With `prune`, the events the
-        floor covers are deleted in the same transaction: the floor moves if and only if they
-        go, so a failed ack leaves nothing half done."""
+        AckAhead when `seq` is above the highest journaled seq. The events the floor newly
+        covers are deleted in the same transaction: the floor moves if and only if they go,
+        so a failed ack leaves nothing half done (and nothing below the floor is left but
+        results that records keep)."""
         if seq < 0:
             raise ValueError("an ack seq cannot be negative")
         with self._transaction() as conn:
@@ -531,29 +536,33 @@ class StateStore:
             last_seq = int(meta.get(META_LAST_SEQ, 0))
             if seq > last_seq:
                 raise AckAhead(f"ack {seq} is above the highest journaled seq {last_seq}")
-            floor = max(int(meta.get(META_ACK_FLOOR, 0)), seq)
+            previous = int(meta.get(META_ACK_FLOOR, 0))
+            floor = max(previous, seq)
             _write_meta(conn, {META_ACK_FLOOR: str(floor)})
-            if prune:
-                # A result a completed record points at stays (stored once, docs/protocol.md
-                # §8) until the record is forgotten; nothing replays it from here.
+            if floor > previous:
+                # Only the newly covered range: below the old floor is either already gone or
+                # a result a completed record points at, which stays (stored once,
+                # docs/protocol.md §8) until the record is forgotten; nothing replays it. So
+                # an ack costs what it covers, not what records have kept over the day.
                 conn.execute(
-                    "DELETE FROM events WHERE seq <= ? AND seq NOT IN"
-                    " (SELECT result_seq FROM idempotency WHERE result_seq IS NOT NULL)",
-                    (floor,),
+                    "DELETE FROM events WHERE seq > ? AND seq <= ? AND NOT EXISTS"
+                    " (SELECT 1 FROM idempotency WHERE result_seq = events.seq)",
+                    (previous, floor),
                 )
         return floor
 
     def append_events(
-        self, events: Sequence[tuple[str, dict[str, Any]]], *, now: float | None = None
+        self, events: Sequence[tuple[str, dict[str, Any]]], *, origin: str | None = None, now: float | None = None
     ) -> list[JournalRow]:
         """Journal events with the next dense seqs, in one transaction; returns their rows,
         the frame exactly as stored (and to be sent). Views come from what each event says
-        (`visibility.default_view`)."""
+        (`visibility.default_view`); `origin`: the allowed_commands a command's exec.* events
+        ran under."""
         if not events:
             return []
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
-            return self._append_events_in(conn, events, created_at)
+            return self._append_events_in(conn, events, created_at, origin=origin)
 
     # -- idempotency -----------------------------------------------------------------------
 
@@ -607,6 +616,7 @@ class StateStore:
         *,
         preceding: Sequence[tuple[str, dict[str, Any]]] = (),
         view: EventView | None = None,
+        origin: str | None = None,
         now: float | None = None,
     ) -> list[JournalRow]:
         """Journal a call's final events (`preceding`, e.g. exec.completed, then its
@@ -616,7 +626,7 @@ class StateStore:
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
             rows = self._append_events_in(
-                conn, [*preceding, (TOOL_RESULT, result_body)], created_at, last_view=view
+                conn, [*preceding, (TOOL_RESULT, result_body)], created_at, last_view=view, origin=origin
             )
             seq, frame, _ = rows[-1]
             if key is not None:
@@ -679,7 +689,13 @@ class StateStore:
     # -- process groups --------------------------------------------------------------------
 
     def start_process(
-        self, call_id: str, pid: int, pgid: int, start_ticks: int, started_body: dict[str, Any]
+        self,
+        call_id: str,
+        pid: int,
+        pgid: int,
+        start_ticks: int,
+        started_body: dict[str, Any],
+        origin: str | None = None,
     ) -> list[JournalRow]:
         """Record a spawned process group (for the clean-up after a crash) and journal its
         exec.started, in one transaction: a started command always has its record."""
@@ -690,7 +706,7 @@ class StateStore:
                 " VALUES (?, ?, ?, ?, ?)",
                 (call_id, pid, pgid, start_ticks, now),
             )
-            return self._append_events_in(conn, [(EXEC_STARTED, started_body)], now)
+            return self._append_events_in(conn, [(EXEC_STARTED, started_body)], now, origin=origin)
 
     def forget_process(self, call_id: str) -> None:
         with self._transaction() as conn:
@@ -774,9 +790,11 @@ class StateStore:
         now: float,
         *,
         last_view: EventView | None = None,
+        origin: str | None = None,
     ) -> list[JournalRow]:
-        """Append with dense seqs; each event's view is what it says, except the last one's
-        when `last_view` is given (a call's tool.result, whose path only the call knows)."""
+        """Append with dense seqs; each event's view is what it says (exec.* events: the
+        shell's, from `origin`), except the last one's when `last_view` is given (a call's
+        tool.result, whose path only the call knows)."""
         # Encode everything before the first write, so a body that is not JSON leaves no trace.
         last_seq = int(_read_meta(conn, META_LAST_SEQ).get(META_LAST_SEQ, 0))
         rows: list[JournalRow] = []
@@ -785,13 +803,18 @@ class StateStore:
             frame = encode_event(kind, seq, body)
             if last_view is not None and offset == len(events):
                 view = last_view
+            elif kind != TOOL_RESULT:
+                view = event_view(kind, origin)
             else:
                 error = body.get("error") or {}
                 view = default_view(kind, body.get("tool_name"), error.get("code"))
             rows.append(JournalRow(seq, frame, view))
         conn.executemany(
-            "INSERT INTO events (seq, kind, frame_json, created_at, scope, path) VALUES (?, ?, ?, ?, ?, ?)",
-            [(row.seq, kind, row.frame, now, row.view.scope, row.view.path) for row, (kind, _) in zip(rows, events)],
+            "INSERT INTO events (seq, kind, frame_json, created_at, scope, path, commands) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (row.seq, kind, row.frame, now, row.view.scope, row.view.path, row.view.commands)
+                for row, (kind, _) in zip(rows, events)
+            ],
         )
         _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
         return rows

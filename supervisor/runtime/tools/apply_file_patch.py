@@ -102,8 +102,10 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
     params = ApplyFilePatchParams.model_validate(intent["parameters"])
     allowed = intent.get("allowed_paths")
 
+    view_path: str | None = None  # once the walk found the file: who may see the result
+
     def body(**outcome: Any) -> Recovered:
-        return Recovered(result_body(record.call_id, record.key, record.tool_name, **outcome))
+        return Recovered(result_body(record.call_id, record.key, record.tool_name, **outcome), view_path=view_path)
 
     try:
         # The file is found again through the jail (agent.cwd's descriptor, the path walked
@@ -111,6 +113,7 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
         # journal): the agent may have swapped a component for a symlink since.
         root = env.roots.get(intent["cwd"])
         with open_in_jail(root, params.path, tuple(allowed) if allowed is not None else None, READ_FLAGS) as target:
+            view_path = str(target.real_path)
             planned = intent.get("result")
             if planned is not None:
                 now = current_sha(target, max_file_bytes=env.max_file_bytes)
