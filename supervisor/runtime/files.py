@@ -40,6 +40,7 @@ from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
 from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, JailedPath, open_path
 
 __all__ = [
+    "open_entry",
     "DEFAULT_MAX_FILE_BYTES",
     "Opener",
     "check_regular_file",
@@ -59,6 +60,20 @@ DEFAULT_MAX_FILE_BYTES = 256 * 1024 * 1024
 
 # Opens the file afresh through the jail (each read attempt calls it once).
 Opener = Callable[[], AbstractContextManager[JailedPath]]
+
+
+def open_entry(directory: int, name: str, swapped_message: str) -> int | None:
+    """Open `name` in `directory` for reading, never through a symlink: its descriptor, None
+    when it does not exist, ToolFailure(internal, `swapped_message`) when it is a symlink now
+    (the agent swapped it since the walk judged it)."""
+    try:
+        return os.open(name, READ_FLAGS | os.O_NOFOLLOW, dir_fd=directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ToolFailure(INTERNAL, swapped_message) from None
 
 
 def read_file_result(
@@ -133,16 +148,10 @@ def open_regular_file(jailed: JailedPath) -> tuple[BinaryIO, os.stat_result] | N
     if jailed.fd is not None:
         fd = jailed.take_fd()
     else:
-        try:
-            fd = os.open(jailed.name, READ_FLAGS | os.O_NOFOLLOW, dir_fd=jailed.parent_fd)
-        except FileNotFoundError:
+        opened = open_entry(jailed.parent_fd, jailed.name, "The file was replaced by a symlink while it was used; retry.")
+        if opened is None:
             return None
-        except OSError as exc:
-            if exc.errno != errno.ELOOP:
-                raise
-            raise ToolFailure(
-                INTERNAL, "The file was replaced by a symlink while it was used; retry."
-            ) from None
+        fd = opened
     try:
         info = os.fstat(fd)
         check_regular_file(info.st_mode)

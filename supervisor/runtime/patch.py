@@ -77,6 +77,7 @@ from sandbox_supervisor.daemon.runtime.files import (
     READ_CHUNK_BYTES,
     check_regular_file,
     check_size,
+    open_entry,
     open_regular_file,
 )
 from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, JailedPath, open_path
@@ -620,16 +621,9 @@ def _commit(
 
 def _sha_at(directory: int, name: str, max_file_bytes: int) -> str:
     """Git blob sha of `name` in `directory` (never through a symlink); ZERO_SHA if absent."""
-    try:
-        fd = os.open(name, READ_FLAGS | os.O_NOFOLLOW, dir_fd=directory)
-    except FileNotFoundError:
+    fd = open_entry(directory, name, "The file was replaced by a symlink while it was patched; nothing was written.")
+    if fd is None:
         return ZERO_SHA
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise ToolFailure(
-            INTERNAL, "The file was replaced by a symlink while it was patched; nothing was written."
-        ) from None
     with os.fdopen(fd, "rb") as file:
         info = os.fstat(fd)
         check_regular_file(info.st_mode)
