@@ -16,6 +16,7 @@ import uuid
 import pytest
 
 from sandbox_supervisor.daemon.state.store import StateStore
+from sandbox_supervisor.daemon.state.keys import owner_key
 
 
 def _body(key: str | None) -> dict:
@@ -32,8 +33,8 @@ def _ack_steps(tmp_path, kept: int) -> int:
     with StateStore.open(tmp_path / f"s{kept}") as store:
         for i in range(kept):
             key = f"k{i}"
-            store.begin_call(key=key, tool_name="read_file", digest="d", call_id=str(uuid.uuid4()), intent_json="{}")
-            store.complete_call(key, _body(key))
+            store.begin_call(key=owner_key(key), tool_name="read_file", digest="d", call_id=str(uuid.uuid4()), intent_json="{}")
+            store.complete_call(owner_key(key), _body(key))
         store.raise_ack_floor(store.snapshot().local_event_max)
         store.append_events([("tool.result", _body(None))])
         steps = 0

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 from sandbox_supervisor.daemon.state.store import (
+    PRUNE_WALKS,
     DB_FILENAME,
     META_CALL_RESULT_BYTES,
     CallRetention,
     StateStore,
 )
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
+from sandbox_supervisor.daemon.state.keys import owner_key
 
 NOW = 1_700_000_000.0
 DAY = 24 * 3600.0
@@ -28,9 +30,9 @@ def result_body(key: str, text: str = "") -> dict:
 
 def run_call(store: StateStore, key: str, now: float, text: str = "") -> int:
     """Begin and complete a keyed call at `now`; returns the bytes of its stored frame."""
-    assert store.begin_call(key=key, tool_name="read_file", digest=DIGEST,
+    assert store.begin_call(key=owner_key(key), tool_name="read_file", digest=DIGEST,
                             call_id="0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", intent_json=None, now=now) is None
-    rows = store.complete_call(key, result_body(key, text), now=now)
+    rows = store.complete_call(owner_key(key), result_body(key, text), now=now)
     return len(rows[-1][1].encode())
 
 
@@ -53,7 +55,7 @@ def test_completed_records_past_max_age_are_pruned_oldest_first(tmp_path: Path) 
         run_call(store, "b", NOW + DAY)
         assert keys_of(store) == {"mid", "a", "b"}
         assert store.call_result_bytes() == sum(
-            len((store.call_record(k).result_frame or "").encode()) for k in ("mid", "a", "b")
+            len((store.call_record(owner_key(k)).result_frame or "").encode()) for k in ("mid", "a", "b")
         )
 
 
@@ -62,11 +64,11 @@ def test_an_expired_key_counts_as_new_even_before_any_pruning(tmp_path: Path) ->
     must not answer from an expired record."""
     with StateStore.open(tmp_path / "state", CallRetention(max_age_s=DAY)) as store:
         run_call(store, "k", NOW)
-        assert store.begin_call(key="k", tool_name="read_file", digest=DIGEST, call_id="c",
+        assert store.begin_call(key=owner_key("k"), tool_name="read_file", digest=DIGEST, call_id="c",
                                 intent_json=None, now=NOW + DAY - 1) is not None  # remembered
-        assert store.begin_call(key="k", tool_name="read_file", digest=DIGEST, call_id="c2",
+        assert store.begin_call(key=owner_key("k"), tool_name="read_file", digest=DIGEST, call_id="c2",
                                 intent_json=None, now=NOW + DAY) is None  # claimed anew
-        record = store.call_record("k")
+        record = store.call_record(owner_key("k"))
         assert record is not None and (record.state, record.call_id) == ("pending", "c2")
         assert store.call_result_bytes() == 0
 
@@ -87,7 +89,7 @@ def test_the_total_of_stored_results_stays_within_max_result_bytes(tmp_path: Pat
 
 def test_pending_records_are_never_pruned(tmp_path: Path) -> None:
     with StateStore.open(tmp_path / "state", CallRetention(max_age_s=1.0, max_result_bytes=1)) as store:
-        assert store.begin_call(key="pending", tool_name="read_file", digest=DIGEST, call_id="c",
+        assert store.begin_call(key=owner_key("pending"), tool_name="read_file", digest=DIGEST, call_id="c",
                                 intent_json=None, now=NOW) is None
         run_call(store, "done", NOW + 5 * DAY, "y" * 100)  # over both limits at once
         assert store.prune_calls(now=NOW + 10 * DAY) == 0
@@ -136,7 +138,7 @@ def test_a_version_2_database_is_migrated_with_its_result_sizes_counted(tmp_path
     # Generous limits: nothing is pruned on opening, whatever the clock says.
     with StateStore.open(state_dir, CallRetention(max_age_s=1e12)) as store:
         assert store.call_result_bytes() == sizes["a"] + sizes["b"]
-        assert store.call_record("a").result_frame == frames["a"]
+        assert store.call_record(owner_key("a")).result_frame == frames["a"]
         assert keys_of(store) == {"a", "b", "p"}
     # The budget now covers the migrated rows: oldest first, the pending one untouched.
     with StateStore.open(state_dir, CallRetention(max_age_s=1e12, max_result_bytes=sizes["b"])) as store:
@@ -144,18 +146,20 @@ def test_a_version_2_database_is_migrated_with_its_result_sizes_counted(tmp_path
         assert store.call_result_bytes() == sizes["b"]
 
 
-def test_the_prune_query_uses_the_completion_index(tmp_path: Path) -> None:
-    """The per-completion prune is an index seek, not a scan of every record."""
+def test_the_prune_queries_use_the_completion_indexes(tmp_path: Path) -> None:
+    """The per-completion prune is two index seeks (delegated spaces, then the owner's), not
+    a scan of every record: neither walk reads the other side's rows."""
     with StateStore.open(tmp_path / "state") as store:
         path = store.path
     conn = sqlite3.connect(path)
     try:
-        plan = " ".join(str(row) for row in conn.execute(
-            "EXPLAIN QUERY PLAN SELECT key, completed_at, result_bytes FROM idempotency"
-            " WHERE state = 'completed' ORDER BY completed_at"))
+        plans = [
+            " ".join(str(row) for row in conn.execute(f"EXPLAIN QUERY PLAN {walk}")) for walk in PRUNE_WALKS
+        ]
     finally:
         conn.close()
-    assert "idempotency_completed" in plan and "TEMP B-TREE" not in plan
+    assert "idempotency_delegated_completed" in plans[0] and "idempotency_owner_completed" in plans[1], plans
+    assert not any("TEMP B-TREE" in plan for plan in plans), plans
 
 
 async def test_a_forgotten_key_runs_again_over_the_wire(tmp_path: Path) -> None:

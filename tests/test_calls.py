@@ -12,6 +12,7 @@ import trio.testing
 
 from sandbox_supervisor.protocol.tools import TOOL_SCOPES, tool_spec
 from sandbox_supervisor.daemon.runtime.calls import CallContext, CallRunner
+from sandbox_supervisor.daemon.state.keys import CallKey
 from sandbox_supervisor.daemon.runtime.tool import RunningCall, Tool
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
@@ -44,7 +45,7 @@ async def run_calls(tmp_path, tool: Tool, *bodies: dict[str, Any]) -> tuple[list
                 await runner.submit(body, context, reply)
                 await trio.testing.wait_all_tasks_blocked()
         results = [json.loads(frame)["body"] for _, frame in store.events_after(0, 10)]
-        records = [store.call_record(b["idempotency_key"]) for b in bodies if "idempotency_key" in b]
+        records = [store.call_record(CallKey(context.key_space, b["idempotency_key"])) for b in bodies if "idempotency_key" in b]
     assert all(r is not None and r.state == "completed" for r in records)  # no key left pending
     return results, replies
 

@@ -22,6 +22,7 @@ from sandbox_supervisor.daemon.runtime.patch import git_blob_sha, plan_patch
 from sandbox_supervisor.testing.client import http_request
 
 from test_file_tools_wire import patch_params
+from sandbox_supervisor.daemon.state.keys import CallKey
 
 MIB = 1024 * 1024
 TIB = 1024 * 1024 * MIB
@@ -253,7 +254,7 @@ async def test_reads_filling_their_limiter_do_not_delay_a_patch(tmp_path):
             }
         )
         assert store.begin_call(
-            key="p", tool_name="apply_file_patch", digest="d", call_id=PATCH_CALL_ID, intent_json="{}"
+            key=CallKey(context.key_space, "p"), tool_name="apply_file_patch", digest="d", call_id=PATCH_CALL_ID, intent_json="{}"
         ) is None
         results: dict[str, dict] = {}
 

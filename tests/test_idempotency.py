@@ -9,6 +9,7 @@ import trio
 from sandbox_supervisor.daemon.runtime.calls import Outcome, idempotency_outcome
 from sandbox_supervisor.daemon.state.store import CallRecord
 from sandbox_supervisor.daemon.runtime.patch import git_blob_sha  # checked against `git hash-object` in test_patch
+from sandbox_supervisor.daemon.state.keys import OWNER_SPACE, owner_key
 
 ZERO = "0" * 40
 
@@ -23,7 +24,7 @@ def create_call(path: str, text: str) -> dict:
 
 
 def record(state: str, digest: str) -> CallRecord:
-    return CallRecord("k", "read_file", digest, str(uuid.uuid4()), state, None, None, None, None)
+    return CallRecord(OWNER_SPACE, "k", "read_file", digest, str(uuid.uuid4()), state, None, None, None, None)
 
 
 def test_outcome_decision_table():
@@ -167,7 +168,7 @@ async def test_missing_scope_is_forbidden(daemon):
         assert frame["body"]["code"] == "forbidden"
     assert not (daemon.layout.workspace / "e.txt").exists()
     # A forbidden call is not an execution: the key stays free for an authorised retry.
-    assert daemon.supervisor.store.call_record("k-e") is None
+    assert daemon.supervisor.store.call_record(owner_key("k-e")) is None
 
 
 async def test_replayed_result_survives_pruning(daemon):
@@ -246,7 +247,7 @@ async def test_a_call_that_waited_for_a_slot_is_checked_against_the_fence_again(
             runner.in_flight.release()
             await trio.testing.wait_all_tasks_blocked()
         assert [r["body"]["code"] for r in replies] == ["generation_mismatch"]
-        assert journal.last_seq == 0 and store.call_record("k") is None  # nothing ran or was claimed
+        assert journal.last_seq == 0 and store.call_record(owner_key("k")) is None  # nothing ran or was claimed
 
 
 async def test_a_result_the_database_refuses_is_reported_and_journaled_on_retry(daemon, session):
@@ -281,7 +282,7 @@ async def test_a_result_the_database_refuses_is_reported_and_journaled_on_retry(
     assert original["kind"] == "tool.result" and original["body"]["call_id"] == keyed
     assert original["body"]["ok"] is True and original["body"]["result"]["length"] == 65536
     # The journal is dense and holds that one result; the key is completed.
-    record = daemon.supervisor.store.call_record("full-disk")
+    record = daemon.supervisor.store.call_record(owner_key("full-disk"))
     assert record.state == "completed" and record.result_seq == original["seq"]
     assert (await session.call_and_wait("read_file", {"path": "small.txt"}))["ok"] is True
 

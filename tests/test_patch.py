@@ -36,6 +36,7 @@ from sandbox_supervisor.daemon.runtime.patch import (
     recover_patch,
 )
 from sandbox_supervisor.testing.fuzzing import fuzz_settings
+from sandbox_supervisor.daemon.state.keys import owner_key
 
 NO_NEWLINE = b"\\ No newline at end of file\n"
 
@@ -739,12 +740,12 @@ def test_a_crash_while_recovery_applies_an_unplanned_patch_is_recovered_as_appli
     intent = {"parameters": parameters, "cwd": str(workspace), "allowed_paths": None}
     with StateStore.open(tmp_path / "state") as store:
         store.begin_call(
-            key="k", tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent)
+            key=owner_key("k"), tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent)
         )
         env = RecoveryEnv(store, tmp_path / "state")
-        first = recover(store.call_record("k"), env).body  # ...killed before complete_call
+        first = recover(store.call_record(owner_key("k")), env).body  # ...killed before complete_call
         assert (workspace / "f.txt").read_bytes() == new
-        second = recover(store.call_record("k"), env).body
+        second = recover(store.call_record(owner_key("k")), env).body
     assert first["ok"] is True and second == first
     assert (workspace / "f.txt").read_bytes() == new
 
@@ -766,8 +767,8 @@ def test_a_recovered_patch_gives_what_it_creates_to_the_command_user(tmp_path):
     parameters = {"path": "made/new.txt", "diff": make_diff(None, new, "made/new.txt"), "base_sha": "0" * 40}
     intent = {"parameters": parameters, "cwd": str(workspace), "allowed_paths": None}
     with StateStore.open(tmp_path / "state") as store:
-        store.begin_call(key="k", tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent))
-        body = recover(store.call_record("k"), RecoveryEnv(store, tmp_path / "state", file_owner=nobody)).body
+        store.begin_call(key=owner_key("k"), tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent))
+        body = recover(store.call_record(owner_key("k")), RecoveryEnv(store, tmp_path / "state", file_owner=nobody)).body
     assert body["ok"] is True, body
     created = workspace / "made" / "new.txt"
     assert created.read_bytes() == new

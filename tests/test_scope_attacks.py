@@ -12,6 +12,7 @@ import trio
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.frames import EVENT_WITHHELD
+from sandbox_supervisor.daemon.state.keys import CallKey, key_space
 
 SECRET = "TOPSECRET-rv-5d1e"
 OWNER_SCOPE = "files:read files:write shell:exec session:control"
@@ -127,11 +128,12 @@ async def test_a_recovered_call_of_a_restricted_socket_replays_to_it(layout):
         async with client.connect() as owner:
             await owner.bootstrap(cwd=str(ws))
             session_id = client.session_id
-    # The restricted socket's call was recorded, then the daemon died before it ran.
+    # The restricted socket's call was recorded (in its own key space), then the daemon died
+    # before it ran.
     intent = {"parameters": params, "cwd": str(ws), "allowed_paths": ["src"], "session_id": session_id, "generation": 2}
     digest = call_digest("apply_file_patch", ApplyFilePatchParams.model_validate(params))
     with StateStore.open(layout.state_dir) as store:
-        store.begin_call(key="k-p", tool_name="apply_file_patch", digest=digest, call_id="0f1f0360-0000-4000-8000-000000000001", intent_json=json.dumps(intent))
+        store.begin_call(key=CallKey(key_space({"files:write"}, ["src"], None), "k-p"), tool_name="apply_file_patch", digest=digest, call_id="0f1f0360-0000-4000-8000-000000000001", intent_json=json.dumps(intent))
     async with in_process_daemon(layout) as daemon:
         assert (ws / "src" / "a.txt").read_text() == "two\n"  # recovery applied it
         client.endpoint = daemon.tcp
@@ -143,6 +145,8 @@ async def test_a_recovered_call_of_a_restricted_socket_replays_to_it(layout):
                 lambda f: f["kind"] in ("tool.result", "tool.replayed") and f["body"].get("call_id") == retry
             )
             assert frame["kind"] == "tool.replayed", frame["body"].get("error")
+            # Recovered in the socket's key space, echoed with the key as the socket sent it.
+            assert frame["body"]["original"]["body"]["idempotency_key"] == "k-p"
 
 
 async def test_allowed_commands_bound_what_shell_output_a_socket_sees(daemon):

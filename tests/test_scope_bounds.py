@@ -94,10 +94,13 @@ async def test_a_replay_withholds_what_the_assertion_does_not_cover(daemon):
 
 
 async def test_an_idempotency_key_does_not_replay_what_the_paths_hide(daemon):
+    """A socket in the owner's key space (it holds session:control) but limited to some
+    paths: a retry of another socket's key replays only what its paths cover."""
     workspace_files(daemon)
     client = daemon.client()
     await owner_does_work(daemon, client)
-    async with reader_connect(as_reader(client)) as reader:
+    as_reader(client).scope = f"{READER_SCOPE} session:control"
+    async with reader_connect(client) as reader:
         await reader.bootstrap(cwd=str(daemon.layout.workspace))
         for key, path in (("k-secret", "secret/x.txt"), ("k-link", "src/link.txt")):
             retry = await reader.call("read_file", {"path": path}, idempotency_key=key)
@@ -106,6 +109,7 @@ async def test_an_idempotency_key_does_not_replay_what_the_paths_hide(daemon):
             )
             assert frame["kind"] == "tool.result"
             assert frame["body"]["error"]["code"] == errors.PATH_OUTSIDE_WORKSPACE
+            assert frame["body"]["error"]["message"] == "The call's recorded result is not under any of allowed_paths."
             assert SECRET not in json.dumps(frame)
         # Inside its paths, a key replays as for anyone.
         retry = await reader.call("read_file", {"path": "src/a.txt"}, idempotency_key="k-src")
@@ -118,6 +122,21 @@ async def test_an_idempotency_key_does_not_replay_what_the_paths_hide(daemon):
         again = await owner.call("read_file", {"path": "secret/x.txt"}, idempotency_key="k-secret")
         frame = await owner.receive_until(lambda f: f["kind"] == "tool.replayed" and f["body"]["call_id"] == again)
         assert frame["body"]["original"]["body"]["result"]["content"] == SECRET
+
+
+async def test_a_delegated_retry_of_an_owner_key_runs_in_its_own_space(daemon):
+    """Without session:control the same key names another record: the owner's result is
+    neither replayed nor refused; the call runs fresh, as the reader's own."""
+    workspace_files(daemon)
+    client = daemon.client()
+    await owner_does_work(daemon, client)
+    async with reader_connect(as_reader(client)) as reader:
+        await reader.bootstrap(cwd=str(daemon.layout.workspace))
+        retry = await reader.call("read_file", {"path": "src/a.txt"}, idempotency_key="k-src")
+        frame = await reader.receive_until(
+            lambda f: f["body"].get("call_id") == retry and f["kind"] in ("tool.result", "tool.replayed")
+        )
+        assert frame["kind"] == "tool.result" and frame["body"]["result"]["content"] == VISIBLE
 
 
 async def test_live_events_are_bounded_and_a_socket_sees_its_own_refusals(daemon):
@@ -212,14 +231,15 @@ async def test_the_legacy_setting_gives_every_assertion_session_control(tmp_path
 async def test_a_socket_limited_in_commands_sees_only_output_run_under_its_limit(daemon):
     """allowed_commands bounds the shell output a socket sees (§9.1): its own commands' output
     reaches it; a command run without that limit (the owner's) is withheld, live or replayed,
-    and a retry of the owner's key is refused rather than replayed."""
+    and a retry of the owner's key is refused rather than replayed. (It holds session:control,
+    so it shares the owner's key space: without it, the key would name its own record.)"""
     client = daemon.client()
     async with client.connect() as owner:
         await owner.bootstrap(cwd=str(daemon.layout.workspace))
         ran = await owner.call_and_wait("execute_shell_command", {"command": f"echo {SHELL_SECRET}"}, idempotency_key="k-own")
         assert ran["ok"]
     last = daemon.supervisor.journal.last_seq
-    client.scope = "shell:exec"
+    client.scope = "shell:exec session:control"
     client.state.events.clear()
     limited = {"allowed_commands": ["echo"]}
     async with client.connect(ack_floor=0, claim_overrides=limited) as worker:

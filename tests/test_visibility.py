@@ -12,6 +12,7 @@ import pytest
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import DB_FILENAME, SCHEMA_VERSION, _MIGRATIONS, StateStore
+from sandbox_supervisor.daemon.state.keys import owner_key
 from sandbox_supervisor.daemon.state.visibility import (
     PUBLIC,
     SHELL_VIEW,
@@ -95,8 +96,8 @@ def test_the_journal_withholds_per_audience_from_memory_and_from_the_store(tmp_p
 
 def test_a_keyed_result_is_stored_once_and_outlives_the_ack_only_while_its_record_does(tmp_path: Path):
     with StateStore.open(tmp_path / "state") as store:
-        store.begin_call(key="k", tool_name="read_file", digest="d", call_id=CALL_ID, intent_json=None)
-        rows = store.complete_call("k", read_result("kept", key="k"), view=EventView("files:read", "/ws/a"))
+        store.begin_call(key=owner_key("k"), tool_name="read_file", digest="d", call_id=CALL_ID, intent_json=None)
+        rows = store.complete_call(owner_key("k"), read_result("kept", key="k"), view=EventView("files:read", "/ws/a"))
         store.append_events([("tool.result", read_result("plain"))])
         columns = [row[1] for row in store._conn.execute("PRAGMA table_info(idempotency)")]
         assert "result_frame" not in columns  # no second copy of the result
@@ -104,7 +105,7 @@ def test_a_keyed_result_is_stored_once_and_outlives_the_ack_only_while_its_recor
         # Acked: not replayed any more, but the record still has its exact frame.
         assert store.events_after(0, 10) == []
         assert store.snapshot().oldest_retained_seq == 3
-        record = store.call_record("k")
+        record = store.call_record(owner_key("k"))
         assert record.result_frame == rows[-1].frame
         assert record.result_view == EventView("files:read", "/ws/a")
         assert [seq for (seq,) in store._conn.execute("SELECT seq FROM events")] == [1]
@@ -112,7 +113,7 @@ def test_a_keyed_result_is_stored_once_and_outlives_the_ack_only_while_its_recor
     from sandbox_supervisor.daemon.state.store import CallRetention
 
     with StateStore.open(tmp_path / "state", CallRetention(max_result_bytes=1)) as store:
-        assert store.call_record("k") is None
+        assert store.call_record(owner_key("k")) is None
         assert store._conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
 
 
@@ -143,12 +144,12 @@ def test_a_version_3_database_is_migrated_to_views_and_results_stored_once(tmp_p
     with StateStore.open(state_dir, _generous()) as store:
         # The result an ack had pruned is back, under its seq and below the floor: the record
         # replays it, no replay sends it.
-        assert store.call_record("k1").result_frame == pruned
-        assert store.call_record("k3").result_frame == kept
+        assert store.call_record(owner_key("k1")).result_frame == pruned
+        assert store.call_record(owner_key("k3")).result_frame == kept
         assert [seq for seq, _ in store.events_after(0, 10)] == [2, 3]
         views = dict(((seq, (scope, path)) for seq, scope, path in store._conn.execute("SELECT seq, scope, path FROM events")))
         assert views == {1: ("files:read", UNKNOWN_PATH), 2: ("shell:exec", None), 3: ("files:read", UNKNOWN_PATH)}
-        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def _generous():

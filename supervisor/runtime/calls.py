@@ -38,6 +38,7 @@ from sandbox_supervisor.daemon.runtime.tool import (
     result_body,
 )
 from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.keys import CallKey
 from sandbox_supervisor.daemon.state.store import CallRecord, JournalRow, StateStore, StoreError
 from sandbox_supervisor.daemon.runtime.audience import audience_for
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
@@ -173,7 +174,7 @@ class CallRunner:
         # Finished calls whose result the database refused, by key, oldest first: retried
         # when the key comes back, so the client is not told tool.pending for a call that
         # is no longer running.
-        self.unjournaled: OrderedDict[str, _Unjournaled] = OrderedDict()
+        self.unjournaled: OrderedDict[CallKey, _Unjournaled] = OrderedDict()
         self._unjournaled_chars = 0
 
     def _count(self, body: dict[str, Any]) -> None:
@@ -252,9 +253,12 @@ class CallRunner:
         key = call.idempotency_key
         if key is None:
             return True
+        # Claimed in the sending socket's key space (state/keys.py); answered with the key
+        # as sent.
+        stored = CallKey(context.key_space, key)
         digest = call_digest(call.tool_name, call.parameters)
         existing = self.store.begin_call(
-            key=key,
+            key=stored,
             tool_name=call.tool_name,
             digest=digest,
             call_id=call.call_id,
@@ -270,7 +274,7 @@ class CallRunner:
                 }
             ),
         )
-        outcome = idempotency_outcome(existing, digest, kept=key in self.unjournaled)
+        outcome = idempotency_outcome(existing, digest, kept=stored in self.unjournaled)
         if outcome is Outcome.RUN:
             return True
         if outcome is Outcome.KEY_REUSED:
@@ -288,7 +292,7 @@ class CallRunner:
             await reply(encode_replayed(call.call_id, key, existing.result_frame))
             return False
         # JOURNAL_KEPT: the first execution finished but its result was not journaled.
-        kept = self._take_unjournaled(key)
+        kept = self._take_unjournaled(stored)
         assert kept is not None
         frame = self._finish(kept.running, kept.body, kept.started)
         if frame is None:
@@ -385,7 +389,7 @@ class CallRunner:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
-    def _keep_unjournaled(self, key: str, kept: _Unjournaled) -> None:
+    def _keep_unjournaled(self, key: CallKey, kept: _Unjournaled) -> None:
         self._take_unjournaled(key)
         self.unjournaled[key] = kept
         self._unjournaled_chars += kept.chars
@@ -397,7 +401,7 @@ class CallRunner:
             _, dropped = self.unjournaled.popitem(last=False)
             self._unjournaled_chars -= dropped.chars
 
-    def _take_unjournaled(self, key: str) -> _Unjournaled | None:
+    def _take_unjournaled(self, key: CallKey) -> _Unjournaled | None:
         kept = self.unjournaled.pop(key, None)
         if kept is not None:
             self._unjournaled_chars -= kept.chars
@@ -407,7 +411,7 @@ class CallRunner:
         """Journal the one tool.result (completing or freeing the key) and log the call; the
         journaled frame, or None when the database refused it."""
         call = running.call
-        key = call.idempotency_key
+        key = running.key
         try:
             try:
                 rows = self._journal(running, body)
@@ -440,7 +444,7 @@ class CallRunner:
         return rows[-1][1]
 
     def _journal(self, running: RunningCall, body: dict[str, Any]) -> list[JournalRow]:
-        key = running.call.idempotency_key
+        key = running.key
         view = _view(running, body)
         if key is not None and frees_key(running, body):
             return self.journal.release_call(key, body, view)

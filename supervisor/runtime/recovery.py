@@ -90,7 +90,7 @@ def _recover_all(store: StateStore, env: RecoveryEnv) -> int:
         # allowed_commands the call was accepted under (none recorded: seen as unlimited).
         origin = commands_origin(_recorded_commands(record))
         store.complete_call(
-            record.key,
+            record.call_key,
             recovered.body,
             preceding=recovered.preceding,
             view=call_result_view(recovered.body, recovered.view_path, origin),

@@ -21,6 +21,7 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.tools import ToolCall, ToolSpec
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
+from sandbox_supervisor.daemon.state.keys import CallKey, key_space
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 from sandbox_supervisor.daemon.state.visibility import Audience
 
@@ -44,6 +45,13 @@ class CallContext:
     # What the sending socket may see (docs/protocol.md §9.1): an idempotency replay of
     # another socket's result outside it is refused. None: everything.
     audience: Audience | None = None
+    # Whose idempotency keys its calls claim (state/keys.py): the owner's, or a delegated
+    # assertion's own space. Derived from the bounds above, never passed, so no caller can
+    # put a delegated socket's calls in the owner's space.
+    key_space: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_space", key_space(self.scopes, self.allowed_paths, self.allowed_commands))
 
 
 @dataclass(slots=True)
@@ -61,8 +69,10 @@ class RunningCall:
     view_path: str | None = None
 
     @property
-    def key(self) -> str | None:
-        return self.call.idempotency_key
+    def key(self) -> CallKey | None:
+        """The call's idempotency key as stored: in its socket's key space."""
+        key = self.call.idempotency_key
+        return None if key is None else CallKey(self.context.key_space, key)
 
 
 class CommandService(Protocol):

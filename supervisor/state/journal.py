@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sandbox_supervisor.protocol.frames import encode_withheld
+from sandbox_supervisor.daemon.state.keys import CallKey
 from sandbox_supervisor.daemon.state.store import JournalRow, StateStore, take_within
 from sandbox_supervisor.daemon.state.visibility import Audience, EventView, visible
 
@@ -105,7 +106,7 @@ class Journal:
 
     def complete_call(
         self,
-        key: str | None,
+        key: CallKey | None,
         result_body: dict[str, Any],
         preceding: Sequence[tuple[str, dict[str, Any]]] = (),
         view: EventView | None = None,
@@ -116,7 +117,7 @@ class Journal:
         self._appended(rows)
         return rows
 
-    def release_call(self, key: str, result_body: dict[str, Any], view: EventView | None = None) -> list[JournalRow]:
+    def release_call(self, key: CallKey, result_body: dict[str, Any], view: EventView | None = None) -> list[JournalRow]:
         """Journal a refusal that leaves nothing done and free the key (see StateStore)."""
         rows = self.store.release_call(key, result_body, view=view)
         self._appended(rows)

@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
+from sandbox_supervisor.daemon.state.keys import OWNER_SPACE, CallKey
 from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
 
 DB_FILENAME = "supervisor.sqlite3"
@@ -29,7 +30,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Retention of completed idempotency records (docs/protocol.md §8): a key is remembered for
 # this long after its call completed …
@@ -162,6 +163,39 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
         "CREATE INDEX idempotency_result_seq ON idempotency (result_seq)"
         " WHERE result_seq IS NOT NULL",
     ),
+    (
+        # Key spaces (docs/protocol.md §8, keys.py): a key is unique within its space, and
+        # delegated spaces are pruned before the owner's, each walk on its own partial index.
+        # Every existing record was written by the owner's rules: it joins the owner space.
+        """CREATE TABLE idempotency_v5 (
+            space TEXT NOT NULL,
+            key TEXT NOT NULL,
+            tool_name TEXT NOT NULL,
+            digest TEXT NOT NULL,
+            call_id TEXT NOT NULL,
+            state TEXT NOT NULL CHECK (state IN ('pending', 'completed')),
+            result_seq INTEGER,
+            intent_json TEXT,
+            created_at REAL NOT NULL,
+            completed_at REAL,
+            result_bytes INTEGER,
+            -- key first: the owner's prune walk (space = '') must not look like a prefix
+            -- of this index, or it would be chosen over the partial one and sort.
+            PRIMARY KEY (key, space))""",
+        "INSERT INTO idempotency_v5 (space, key, tool_name, digest, call_id, state, result_seq,"
+        " intent_json, created_at, completed_at, result_bytes)"
+        f" SELECT '{OWNER_SPACE}', key, tool_name, digest, call_id, state, result_seq,"
+        " intent_json, created_at, completed_at, result_bytes FROM idempotency",
+        "DROP TABLE idempotency",
+        "ALTER TABLE idempotency_v5 RENAME TO idempotency",
+        "CREATE INDEX idempotency_pending ON idempotency (state) WHERE state = 'pending'",
+        f"CREATE INDEX idempotency_owner_completed ON idempotency (completed_at)"
+        f" WHERE state = 'completed' AND space = '{OWNER_SPACE}'",
+        f"CREATE INDEX idempotency_delegated_completed ON idempotency (completed_at)"
+        f" WHERE state = 'completed' AND space != '{OWNER_SPACE}'",
+        "CREATE INDEX idempotency_result_seq ON idempotency (result_seq)"
+        " WHERE result_seq IS NOT NULL",
+    ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -257,7 +291,8 @@ class JournalRow(NamedTuple):
 class CallRecord:
     """One idempotency record (docs/protocol.md §8)."""
 
-    key: str
+    space: str  # keys.py: whose key it is
+    key: str  # as the client sent it
     tool_name: str
     digest: str
     call_id: str
@@ -269,19 +304,31 @@ class CallRecord:
     result_view: EventView | None
     intent_json: str | None
 
+    @property
+    def call_key(self) -> CallKey:
+        return CallKey(self.space, self.key)
+
+
+# The prune walks (one per side of the key-space split, keys.py), each on its own partial index:
+# delegated spaces first, then the owner's.
+PRUNE_WALKS = tuple(
+    "SELECT space, key, completed_at, result_bytes, result_seq FROM idempotency"
+    f" WHERE state = 'completed' AND space {op} '{OWNER_SPACE}' ORDER BY completed_at"
+    for op in ("!=", "=")
+)
 
 # A record joined with the event that holds its result.
 _CALL_SELECT = (
-    "SELECT i.key, i.tool_name, i.digest, i.call_id, i.state, i.result_seq, e.frame_json,"
+    "SELECT i.space, i.key, i.tool_name, i.digest, i.call_id, i.state, i.result_seq, e.frame_json,"
     " e.scope, e.path, e.commands, i.intent_json, i.completed_at, i.result_bytes"
     " FROM idempotency AS i LEFT JOIN events AS e ON e.seq = i.result_seq"
 )
 
 
 def _call_record(row: Sequence[Any]) -> CallRecord:
-    key, tool_name, digest, call_id, state, result_seq, frame, scope, path, commands, intent = row[:11]
+    space, key, tool_name, digest, call_id, state, result_seq, frame, scope, path, commands, intent = row[:12]
     view = EventView(scope, path, commands) if frame is not None else None
-    return CallRecord(key, tool_name, digest, call_id, state, result_seq, frame, view, intent)
+    return CallRecord(space, key, tool_name, digest, call_id, state, result_seq, frame, view, intent)
 
 
 class StateStore:
@@ -569,7 +616,7 @@ class StateStore:
     def begin_call(
         self,
         *,
-        key: str,
+        key: CallKey,
         tool_name: str,
         digest: str,
         call_id: str,
@@ -581,7 +628,7 @@ class StateStore:
         with the same key exactly one gets None."""
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
-            row = conn.execute(f"{_CALL_SELECT} WHERE i.key = ?", (key,)).fetchone()
+            row = conn.execute(f"{_CALL_SELECT} WHERE i.space = ? AND i.key = ?", key).fetchone()
             if row is not None:
                 record = _call_record(row)
                 completed_at, result_bytes = row[-2:]
@@ -592,26 +639,27 @@ class StateStore:
                 # last completion happened to prune.
                 self._forget_completed_in(conn, [(key, result_bytes, record.result_seq)])
             conn.execute(
-                "INSERT INTO idempotency (key, tool_name, digest, call_id, state, intent_json,"
-                " created_at) VALUES (?, ?, ?, ?, 'pending', ?, ?)",
-                (key, tool_name, digest, call_id, intent_json, created_at),
+                "INSERT INTO idempotency (space, key, tool_name, digest, call_id, state,"
+                " intent_json, created_at) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
+                (*key, tool_name, digest, call_id, intent_json, created_at),
             )
         return None
 
-    def set_call_intent(self, key: str, intent_json: str) -> None:
+    def set_call_intent(self, key: CallKey, intent_json: str) -> None:
         """Record what a pending call is about to do (a patch's planned result) before it
         does it, so crash recovery can tell 'done' from 'not started'."""
         with self._transaction() as conn:
             updated = conn.execute(
-                "UPDATE idempotency SET intent_json = ? WHERE key = ? AND state = 'pending'",
-                (intent_json, key),
+                "UPDATE idempotency SET intent_json = ? WHERE space = ? AND key = ?"
+                " AND state = 'pending'",
+                (intent_json, *key),
             ).rowcount
         if updated != 1:
             raise StoreError(f"no pending call with key {key!r}")
 
     def complete_call(
         self,
-        key: str | None,
+        key: CallKey | None,
         result_body: dict[str, Any],
         *,
         preceding: Sequence[tuple[str, dict[str, Any]]] = (),
@@ -634,8 +682,8 @@ class StateStore:
                 updated = conn.execute(
                     "UPDATE idempotency SET state = 'completed', result_seq = ?,"
                     " result_bytes = ?, completed_at = ?"
-                    " WHERE key = ? AND state = 'pending'",
-                    (seq, size, created_at, key),
+                    " WHERE space = ? AND key = ? AND state = 'pending'",
+                    (seq, size, created_at, *key),
                 ).rowcount
                 if updated != 1:
                     raise StoreError(f"no pending call with key {key!r}")
@@ -647,7 +695,7 @@ class StateStore:
         return rows
 
     def release_call(
-        self, key: str, result_body: dict[str, Any], *, view: EventView | None = None, now: float | None = None
+        self, key: CallKey, result_body: dict[str, Any], *, view: EventView | None = None, now: float | None = None
     ) -> list[JournalRow]:
         """Journal the tool.result of a call refused before any side effect for a passing
         reason (too many processes, the daemon stopping) and free its key in the same
@@ -656,7 +704,7 @@ class StateStore:
         with self._transaction() as conn:
             rows = self._append_events_in(conn, [(TOOL_RESULT, result_body)], created_at, last_view=view)
             deleted = conn.execute(
-                "DELETE FROM idempotency WHERE key = ? AND state = 'pending'", (key,)
+                "DELETE FROM idempotency WHERE space = ? AND key = ? AND state = 'pending'", key
             ).rowcount
             if deleted != 1:
                 raise StoreError(f"no pending call with key {key!r}")
@@ -673,9 +721,9 @@ class StateStore:
         with self._transaction(write=False) as conn:
             return _call_result_bytes(conn)
 
-    def call_record(self, key: str) -> CallRecord | None:
+    def call_record(self, key: CallKey) -> CallRecord | None:
         with self._transaction(write=False) as conn:
-            row = conn.execute(f"{_CALL_SELECT} WHERE i.key = ?", (key,)).fetchone()
+            row = conn.execute(f"{_CALL_SELECT} WHERE i.space = ? AND i.key = ?", key).fetchone()
         return _call_record(row) if row else None
 
     def pending_calls(self) -> list[CallRecord]:
@@ -732,9 +780,11 @@ class StateStore:
 
     def _prune_calls_in(self, conn: sqlite3.Connection, now: float, total: int | None = None) -> int:
         """Delete completed records, oldest completion first, while each is past max_age_s
-        or the total of result bytes is over max_result_bytes. Walks the partial index on
-        completed_at and stops at the first record that may stay, so a call that prunes
-        nothing costs one index seek; each record is deleted once, so the work is amortised
+        or the total of result bytes is over max_result_bytes: first the delegated spaces'
+        records, then the owner's (keys.py), so a delegated socket's keyed calls never push
+        the control plane's records out of the budget. Each walk uses its own partial index
+        on completed_at and stops at the first record that may stay, so a call that prunes
+        nothing costs two index seeks; each record is deleted once, so the work is amortised
         to at most one deletion per completion. Pending records are never touched. `total`:
         the stored bytes counter when the caller has just written it (read here otherwise)."""
         retention = self.retention
@@ -742,26 +792,24 @@ class StateStore:
         if total is None:
             total = _call_result_bytes(conn)
         stored = total
-        victims: list[tuple[str, int | None, int | None]] = []
-        cursor = conn.execute(
-            "SELECT key, completed_at, result_bytes, result_seq FROM idempotency"
-            " WHERE state = 'completed' ORDER BY completed_at"
-        )
-        try:
-            for key, completed_at, size, result_seq in cursor:
-                if completed_at > cutoff and total <= retention.max_result_bytes:
-                    break
-                victims.append((key, size, result_seq))
-                total -= size or 0
-        finally:
-            cursor.close()
+        victims: list[tuple[CallKey, int | None, int | None]] = []
+        for walk in PRUNE_WALKS:
+            cursor = conn.execute(walk)
+            try:
+                for space, key, completed_at, size, result_seq in cursor:
+                    if completed_at > cutoff and total <= retention.max_result_bytes:
+                        break
+                    victims.append((CallKey(space, key), size, result_seq))
+                    total -= size or 0
+            finally:
+                cursor.close()
         self._forget_completed_in(conn, victims, stored)
         return len(victims)
 
     @staticmethod
     def _forget_completed_in(
         conn: sqlite3.Connection,
-        victims: Sequence[tuple[str, int | None, int | None]],
+        victims: Sequence[tuple[CallKey, int | None, int | None]],
         stored: int | None = None,
     ) -> None:
         """Forget completed records (key, result bytes, result seq), and each one's result
@@ -770,8 +818,8 @@ class StateStore:
         if not victims:
             return
         conn.executemany(
-            "DELETE FROM idempotency WHERE key = ? AND state = 'completed'",
-            [(key,) for key, _, _ in victims],
+            "DELETE FROM idempotency WHERE space = ? AND key = ? AND state = 'completed'",
+            [key for key, _, _ in victims],
         )
         floor = int(_read_meta(conn, META_ACK_FLOOR).get(META_ACK_FLOOR, 0))
         conn.executemany(

@@ -123,7 +123,7 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
                 if decision == "interrupted":
                     return body(error=interrupted(FILE_CHANGED_MESSAGE, current_sha=now))
             plan = plan_patch(target, params.path, params, max_file_bytes=env.max_file_bytes)
-            env.store.set_call_intent(record.key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
+            env.store.set_call_intent(record.call_key, json.dumps({**intent, "target": str(plan.path), "result": plan.result()}))
             commit_patch(plan, max_file_bytes=env.max_file_bytes, new_owner=env.file_owner)
             return body(result=plan.result())
     except ToolFailure as failure:
