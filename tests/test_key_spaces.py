@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.fields import SESSION_CONTROL
-from sandbox_supervisor.daemon.state.keys import OWNER_SPACE, CallKey, key_space, owner_key
+from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, OWNER_SPACE, CallKey, key_space, owner_key
 from sandbox_supervisor.daemon.state.store import DB_FILENAME, SCHEMA_VERSION, _MIGRATIONS, CallRetention, StateStore
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
@@ -104,9 +104,10 @@ def test_expired_records_of_both_sides_are_forgotten(tmp_path: Path):
         assert _spaces(store) == {(delegated, "new")}
 
 
-def test_a_version_4_database_keeps_its_records_in_the_owner_space(tmp_path: Path):
-    """Every record written before key spaces existed was claimed under the owner's rules:
-    migrated into the owner space, it is found (and replayed) by the same key."""
+def test_a_version_4_database_keeps_its_records_for_every_space(tmp_path: Path):
+    """Whose a record written before key spaces existed was is not recorded: migrated into
+    the legacy space, it is found (and so replayed) by the same key from the owner's space
+    and from a delegated one; nothing new is claimed there."""
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     conn = sqlite3.connect(state_dir / DB_FILENAME)
@@ -125,11 +126,16 @@ def test_a_version_4_database_keeps_its_records_in_the_owner_space(tmp_path: Pat
     conn.execute("PRAGMA user_version=4")
     conn.commit()
     conn.close()
+    delegated = key_space({"shell:exec"}, None, None)
     with StateStore.open(state_dir, CallRetention(max_age_s=1e12)) as store:
         assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
-        record = store.call_record(owner_key("k"))
-        assert record is not None and record.result_frame == frame and record.space == OWNER_SPACE
-        assert [r.call_key for r in store.pending_calls()] == [owner_key("p")]
+        for space in (OWNER_SPACE, delegated):
+            found = store.begin_call(key=CallKey(space, "k"), tool_name="read_file", digest="d", call_id=CALL_ID,
+                                     intent_json=None, now=NOW)
+            assert found is not None and found.result_frame == frame and found.space == LEGACY_SPACE
+        # Recovery completes a pending legacy record in its own space.
+        assert [r.call_key for r in store.pending_calls()] == [CallKey(LEGACY_SPACE, "p")]
+        assert _spaces(store) == {(LEGACY_SPACE, "k"), (LEGACY_SPACE, "p")}  # nothing new claimed
         assert store.call_result_bytes() == len(frame)
 
 

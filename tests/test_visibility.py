@@ -12,7 +12,7 @@ import pytest
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import DB_FILENAME, SCHEMA_VERSION, _MIGRATIONS, StateStore
-from sandbox_supervisor.daemon.state.keys import owner_key
+from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, CallKey, owner_key
 from sandbox_supervisor.daemon.state.visibility import (
     PUBLIC,
     SHELL_VIEW,
@@ -144,8 +144,8 @@ def test_a_version_3_database_is_migrated_to_views_and_results_stored_once(tmp_p
     with StateStore.open(state_dir, _generous()) as store:
         # The result an ack had pruned is back, under its seq and below the floor: the record
         # replays it, no replay sends it.
-        assert store.call_record(owner_key("k1")).result_frame == pruned
-        assert store.call_record(owner_key("k3")).result_frame == kept
+        assert store.call_record(CallKey(LEGACY_SPACE, "k1")).result_frame == pruned
+        assert store.call_record(CallKey(LEGACY_SPACE, "k3")).result_frame == kept
         assert [seq for seq, _ in store.events_after(0, 10)] == [2, 3]
         views = dict(((seq, (scope, path)) for seq, scope, path in store._conn.execute("SELECT seq, scope, path FROM events")))
         assert views == {1: ("files:read", UNKNOWN_PATH), 2: ("shell:exec", None), 3: ("files:read", UNKNOWN_PATH)}

@@ -38,7 +38,7 @@ from sandbox_supervisor.daemon.runtime.tool import (
     result_body,
 )
 from sandbox_supervisor.daemon.state.journal import Journal
-from sandbox_supervisor.daemon.state.keys import CallKey
+from sandbox_supervisor.daemon.state.keys import OWNER_SPACE, CallKey
 from sandbox_supervisor.daemon.state.store import CallRecord, JournalRow, StateStore, StoreError
 from sandbox_supervisor.daemon.runtime.audience import audience_for
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
@@ -118,7 +118,7 @@ def frees_key(running: RunningCall, body: dict[str, Any]) -> bool:
     """A refusal that started nothing, for a reason that passes: its result frees the key."""
     return (
         not body["ok"]
-        and body["error"]["code"] in TRANSIENT_REFUSALS
+        and (running.frees_key or body["error"]["code"] in TRANSIENT_REFUSALS)
         and not running.final_events  # nothing was started
     )
 
@@ -353,6 +353,7 @@ class CallRunner:
                 return None
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except ToolFailure as exc:
+            running.frees_key = exc.frees_key
             body = failure_body(call, exc)
         except Exception:  # see _execute: a tool's bug still owes its call one result
             body = crashed_body(call)
@@ -365,6 +366,7 @@ class CallRunner:
             result = await tool.run(running)
             body = result_body(call.call_id, call.idempotency_key, call.tool_name, result=result)
         except ToolFailure as exc:
+            running.frees_key = exc.frees_key
             body = failure_body(call, exc)
         except Exception:
             # A bug in one tool must still give its call the one result it is owed (or its
@@ -393,12 +395,16 @@ class CallRunner:
         self._take_unjournaled(key)
         self.unjournaled[key] = kept
         self._unjournaled_chars += kept.chars
-        # Past the bounds the oldest are dropped: their records stay pending, and the next
-        # start resolves them (§10.2), as it would have without this memory.
+        # Past the bounds the oldest are dropped, delegated key spaces' first (as the store's
+        # retention does, state/keys.py): their records stay pending, and the next start
+        # resolves them (§10.2), as it would have without this memory.
         while self.unjournaled and (
             len(self.unjournaled) > MAX_UNJOURNALED or self._unjournaled_chars > MAX_UNJOURNALED_CHARS
         ):
-            _, dropped = self.unjournaled.popitem(last=False)
+            victim = next((k for k in self.unjournaled if k.space != OWNER_SPACE), None)
+            if victim is None:
+                victim = next(iter(self.unjournaled))
+            dropped = self.unjournaled.pop(victim)
             self._unjournaled_chars -= dropped.chars
 
     def _take_unjournaled(self, key: CallKey) -> _Unjournaled | None:

@@ -24,7 +24,9 @@ class ToolFailure(Exception):
     open `ToolError` model expects.
     """
 
-    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, details: dict[str, Any] | None = None, *, frees_key: bool = False
+    ) -> None:
         if code not in TOOL_ERROR_CODES:
             # A typo here would reach the peer as a code the protocol does not define.
             raise ValueError(f"not a tool error code: {code!r}")
@@ -35,6 +37,10 @@ class ToolFailure(Exception):
         self.code = code
         self.message = message
         self.details = details
+        # Refused before anything happened, for a reason tied to this attempt rather than to
+        # the call (a call_id already taken): the key is freed with the result, so this
+        # refusal never decides what a retry with a fresh call_id does (docs/protocol.md §8).
+        self.frees_key = frees_key
 
     def to_error(self) -> dict[str, Any]:
         """The `error` object of the `tool.result` (validates as protocol.frames.ToolError)."""

@@ -268,7 +268,11 @@ class ShellRuntime:
             check_environment(params.env or {}, "env")
         if self.known_call(call.call_id):
             # A call_id names one execution; its spool must never mix two commands' bytes.
-            raise ToolFailure(errors.INVALID_PARAMETERS, "This call_id was already used for a command.")
+            # It frees the key: a call_id is any socket's to choose, so a refusal for one that
+            # another socket (a delegated one, say) took first must not decide the key.
+            raise ToolFailure(
+                errors.INVALID_PARAMETERS, "This call_id was already used for a command.", frees_key=True
+            )
         if self.stopping:
             raise ToolFailure(errors.INTERRUPTED, "The supervisor is stopping; the command was not started.")
         if self.running >= self.settings.max_processes:

@@ -67,6 +67,8 @@ class RunningCall:
     # The real path a file tool resolved, set as soon as it is known: who may see the
     # call's result depends on it (docs/protocol.md §9.1).
     view_path: str | None = None
+    # The tool refused the call in a way that frees its key (ToolFailure.frees_key).
+    frees_key: bool = False
 
     @property
     def key(self) -> CallKey | None:

@@ -6,7 +6,10 @@ without it (a delegated assertion) claims keys in a space of its own, named by a
 of what its assertion allows. So a delegated socket can neither decide the control plane's
 next call by claiming its key first (its refusal would be replayed in place of the real
 call), nor learn whether a key was used. Two delegated assertions with the same bounds share
-a space: each could make every call the other can, so neither gains anything by squatting.
+a space (a party that reconnects with a new assertion keeps its keys), so two parties given
+the very same bounds can decide each other's keyed calls: a control plane that must keep
+them apart gives them different bounds. Paths are compared normalised (`src`, `./src` and
+`src/` are one path), as the jail resolves them.
 
 The same split bounds retention: records of delegated spaces are forgotten before the
 owner's (store.py), so keyed calls of a delegated socket never push the control plane's
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -26,6 +30,11 @@ from sandbox_supervisor.protocol.fields import SESSION_CONTROL
 # existed): stored as the empty string, so old rows need no rewriting to mean the same.
 OWNER_SPACE = ""
 _DELEGATED_PREFIX = "delegated:"
+# The space of records claimed before key spaces existed (schema 4 and older): whose they
+# were is not recorded (a delegated socket's or the control plane's), so every space finds
+# them. No new record is ever claimed in it, so it cannot be used to squat; it empties as
+# retention forgets its records.
+LEGACY_SPACE = "legacy:"
 
 
 class CallKey(NamedTuple):
@@ -51,7 +60,7 @@ def key_space(
         return OWNER_SPACE
     bounds = {
         "scope": sorted(scopes),
-        "allowed_paths": None if allowed_paths is None else sorted(set(allowed_paths)),
+        "allowed_paths": None if allowed_paths is None else sorted({posixpath.normpath(p) for p in allowed_paths}),
         "allowed_commands": None if allowed_commands is None else sorted(set(allowed_commands)),
     }
     text = json.dumps(bounds, separators=(",", ":"), ensure_ascii=False, sort_keys=True)

@@ -21,7 +21,7 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
-from sandbox_supervisor.daemon.state.keys import OWNER_SPACE, CallKey
+from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, OWNER_SPACE, CallKey
 from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
 
 DB_FILENAME = "supervisor.sqlite3"
@@ -166,7 +166,9 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
     (
         # Key spaces (docs/protocol.md §8, keys.py): a key is unique within its space, and
         # delegated spaces are pruned before the owner's, each walk on its own partial index.
-        # Every existing record was written by the owner's rules: it joins the owner space.
+        # Whose each existing record was is not recorded (a delegated socket's or the control
+        # plane's): they go to the legacy space, which every space's lookup also finds, so a
+        # retry after the upgrade is answered from its record whoever sends it.
         """CREATE TABLE idempotency_v5 (
             space TEXT NOT NULL,
             key TEXT NOT NULL,
@@ -184,7 +186,7 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
             PRIMARY KEY (key, space))""",
         "INSERT INTO idempotency_v5 (space, key, tool_name, digest, call_id, state, result_seq,"
         " intent_json, created_at, completed_at, result_bytes)"
-        f" SELECT '{OWNER_SPACE}', key, tool_name, digest, call_id, state, result_seq,"
+        f" SELECT '{LEGACY_SPACE}', key, tool_name, digest, call_id, state, result_seq,"
         " intent_json, created_at, completed_at, result_bytes FROM idempotency",
         "DROP TABLE idempotency",
         "ALTER TABLE idempotency_v5 RENAME TO idempotency",
@@ -628,7 +630,11 @@ class StateStore:
         with the same key exactly one gets None."""
         created_at = time.time() if now is None else now
         with self._transaction() as conn:
-            row = conn.execute(f"{_CALL_SELECT} WHERE i.space = ? AND i.key = ?", key).fetchone()
+            # Its own space first, then the legacy space (keys.py): one probe of the primary key.
+            row = conn.execute(
+                f"{_CALL_SELECT} WHERE i.key = ? AND i.space IN (?, ?) ORDER BY i.space = ? LIMIT 1",
+                (key.key, key.space, LEGACY_SPACE, LEGACY_SPACE),
+            ).fetchone()
             if row is not None:
                 record = _call_record(row)
                 completed_at, result_bytes = row[-2:]
@@ -637,7 +643,7 @@ class StateStore:
                 # Past its retention but not pruned yet (pruning runs when calls complete):
                 # forgotten now, so whether a key is remembered never depends on when the
                 # last completion happened to prune.
-                self._forget_completed_in(conn, [(key, result_bytes, record.result_seq)])
+                self._forget_completed_in(conn, [(record.call_key, result_bytes, record.result_seq)])
             conn.execute(
                 "INSERT INTO idempotency (space, key, tool_name, digest, call_id, state,"
                 " intent_json, created_at) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
