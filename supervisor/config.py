@@ -57,8 +57,14 @@ NOT_SECRET_KEYS = frozenset({"jwks_file"})
 ENV_NAME_PATTERN = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 PROFILE_PATTERN = re.compile(bootstrap.PROFILE_PATTERN)  # the profiles a bootstrap can name
 
+# The directories of the PATH a command gets when no layer of its environment sets one
+# (docs/protocol.md §7.4.1): the ones Debian's /etc/profile gives root, so tools installed in
+# any of them are found whoever runs them. The command user's ~/.local/bin comes first
+# (shell.default_path). Not part of DEFAULT_BASE_ENV: that home is known only once the user
+# is, and a base_env without PATH still gets this default.
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
 DEFAULT_BASE_ENV = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
     "LANG": "C.UTF-8",
     "HOME": "/home/user",
 }
@@ -211,6 +217,10 @@ class ExecConfig(_Section):
     # (docs/protocol.md §7.4.6; docs/deltas.md item 37).
     spool_total_max_bytes: PositiveInt = 1024 * 1024 * 1024
     base_env: dict[str, str] = Field(default_factory=lambda: dict(DEFAULT_BASE_ENV))
+    # Run commands as `<shell> -l -c <command>`, so the command user's profile files are read
+    # (E2B runs `bash -l -c`). Never for a call whose assertion has allowed_commands: those
+    # files are the agent's to write, and the guard never judged what is in them (§7.4.1).
+    login_shell: bool = False
     # Privilege separation (docs/operations.md): commands run as this user (a name or a uid),
     # with this group (default: the user's primary group) and exactly these supplementary
     # groups. Unset: commands run as the daemon's own user, as before.

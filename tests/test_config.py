@@ -433,3 +433,22 @@ def test_check_config_prints_the_command_user_and_refuses_an_unknown_one(tmp_pat
     assert any(line.startswith("exec.user: unknown user 'sbx-no-such-user'") for line in lines), result.stderr
     assert any(line.startswith("exec.group: unknown group 'sbx-no-such-group'") for line in lines), result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_check_config_prints_login_shell_and_refuses_a_value_that_is_not_a_boolean(tmp_path: Path) -> None:
+    """`[exec] login_shell` (docs/operations.md, "The command environment"): false unless set,
+    a TOML boolean (no "yes", no 1), from the file or the environment."""
+    _, jwks = write_key_pair(tmp_path / "keys", "k1")
+    base = f'[authority]\nissuer = "https://cp.test"\njwks_file = "{jwks}"\n'
+    unset = run_cli("check-config", "--config", str(write(tmp_path, base)))
+    assert json.loads(unset.stdout)["exec"]["login_shell"] is False, unset.stderr
+    on = run_cli("check-config", "--config", str(write(tmp_path, base + "[exec]\nlogin_shell = true\n")))
+    assert json.loads(on.stdout)["exec"]["login_shell"] is True, on.stderr
+    for bad in ('"yes"', "1"):
+        result = run_cli("check-config", "--config", str(write(tmp_path, base + f"[exec]\nlogin_shell = {bad}\n")))
+        assert result.returncode == 2 and result.stderr.startswith("exec.login_shell: "), result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+    assert load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_EXEC__LOGIN_SHELL": "true"}).exec.login_shell
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_EXEC__LOGIN_SHELL": "on"})
+    assert "exec.login_shell" in problems_of(excinfo)

@@ -23,7 +23,12 @@ import trio
 from sandbox_supervisor.daemon import app
 from sandbox_supervisor.daemon.app import StartupError, command_identity
 from sandbox_supervisor.daemon.config import ConfigError, ExecConfig, load_config
-from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, resolve_identity, unsafe_paths
+from sandbox_supervisor.daemon.runtime.identity import (
+    CommandIdentity,
+    account_environment,
+    resolve_identity,
+    unsafe_paths,
+)
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.shell import build_environment
 from sandbox_supervisor.daemon.state.store import DB_FILENAME
@@ -119,7 +124,7 @@ def test_exec_user_is_resolved_at_load_and_unknown_names_are_configuration_error
 
 
 def test_home_and_user_come_from_passwd_unless_agent_env_or_the_call_sets_them() -> None:
-    who = resolve_identity(AGENT_USER, None, [])
+    who = account_environment(resolve_identity(AGENT_USER, None, []))
     base = {"PATH": "/bin", "HOME": "/home/user"}
     env = build_environment(base, {}, None, who)
     assert (env["HOME"], env["USER"], env["LOGNAME"], env["SHELL"]) == (
@@ -127,7 +132,7 @@ def test_home_and_user_come_from_passwd_unless_agent_env_or_the_call_sets_them()
     )
     assert build_environment(base, {"HOME": "/w"}, {"USER": "u"}, who)["HOME"] == "/w"
     assert build_environment(base, {"HOME": "/w"}, {"USER": "u"}, who)["USER"] == "u"
-    assert build_environment(base, {}, None, None) == base  # no exec.user: as before
+    assert build_environment(base, {}, None, {}) == base  # no passwd entry: base_env's
 
 
 # --- over the wire ------------------------------------------------------------------------

@@ -207,8 +207,10 @@ def check_allowed(command: str, allowed: Sequence[str]) -> None:
 
 # --- the environment a guarded call may set ---
 #
-# A guarded command runs with the environment of build_environment in shell.py: base_env
-# (the operator's), then the bootstrap's agent.env, then the call's env. The last two come
+# A guarded command runs with the environment of build_environment in shell.py: the default
+# PATH, base_env (the operator's), the command user's passwd entry, then the bootstrap's
+# agent.env, then the call's env, and never in a login shell (shell.uses_login_shell: the
+# profile files are the agent's to write). The last two come
 # from the caller, and many names make bash or a common tool run code no command line shows
 # (`BASH_ENV='$(cmd)'` runs cmd before `ls` does). When allowed_commands is set, a name from
 # agent.env or the call's env is refused when it is denied below. base_env is the operator's

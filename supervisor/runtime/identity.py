@@ -23,6 +23,7 @@ from typing import Protocol
 
 __all__ = [
     "CommandIdentity",
+    "account_environment",
     "check_group",
     "check_user",
     "can_switch_user",
@@ -55,15 +56,33 @@ class CommandIdentity:
         """HOME, USER, LOGNAME and SHELL as a login would set them for this user. Layered over
         `[exec] base_env` and under the bootstrap's agent.env and the call's env
         (shell.build_environment), so an explicit setting still wins."""
-        env: dict[str, str] = {}
-        if self.home:
-            env["HOME"] = self.home
-        if self.name:
-            env["USER"] = self.name
-            env["LOGNAME"] = self.name
-        if self.shell:
-            env["SHELL"] = self.shell
-        return env
+        return _login_environment(self.name, self.home, self.shell)
+
+
+def _login_environment(name: str | None, home: str | None, shell: str | None) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if home:
+        env["HOME"] = home
+    if name:
+        env["USER"] = name
+        env["LOGNAME"] = name
+    if shell:
+        env["SHELL"] = shell
+    return env
+
+
+def account_environment(identity: CommandIdentity | None) -> dict[str, str]:
+    """HOME, USER, LOGNAME and SHELL of whoever commands run as: `identity`'s, or with None
+    (no `[exec] user`, or a daemon that cannot switch) the daemon's own effective user's, who
+    is then the one running them. Empty for a uid without a passwd entry. Read once at start:
+    passwd does not change under a running sandbox's daemon."""
+    if identity is not None:
+        return identity.environment()
+    try:
+        entry = pwd.getpwuid(os.geteuid())
+    except KeyError:
+        return {}
+    return _login_environment(entry.pw_name, entry.pw_dir, entry.pw_shell)
 
 
 def _lookup_user(user: str | int) -> tuple[int, pwd.struct_passwd | None]:

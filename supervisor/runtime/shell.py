@@ -31,7 +31,7 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, Signal
 from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams, ToolCall
-from sandbox_supervisor.daemon.config import SupervisorConfig
+from sandbox_supervisor.daemon.config import SYSTEM_PATH, SupervisorConfig
 from sandbox_supervisor.daemon.state.visibility import commands_origin
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
@@ -44,7 +44,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
 )
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
-from sandbox_supervisor.daemon.runtime.identity import CommandIdentity
+from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
 from sandbox_supervisor.daemon.runtime.spool import SpoolNotFound, read_range, spool_dir, stream_path
 
@@ -54,6 +54,9 @@ log = structlog.get_logger("supervisor.shell")
 # completion waits this long for them to close before it is reported (§7.4.3).
 COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
+# TERM of a command that has a terminal (a PTY) when neither its request nor its environment
+# names one: what xterm.js, the terminal of E2B's and most web front ends, emulates.
+DEFAULT_TERM = "xterm-256color"
 # exec.signal's names (protocol.frames.Signal) to their numbers.
 SIGNALS: dict[str, signal.Signals] = {name: signal.Signals[name] for name in get_args(Signal)}
 
@@ -73,6 +76,11 @@ class ShellSettings:
     # Who commands run as; None: the daemon's own user (no `[exec] user`, or a daemon that
     # cannot switch users: app.py warns about that at start).
     identity: CommandIdentity | None = None
+    # HOME, USER, LOGNAME and SHELL from the passwd entry of whoever commands run as (the
+    # identity's, or the daemon's own): identity.account_environment.
+    account_env: Mapping[str, str] = field(default_factory=dict)
+    # `[exec] login_shell`: `<shell> -l -c`, except for guarded calls (shell_argv).
+    login_shell: bool = False
 
     @classmethod
     def from_config(cls, config: SupervisorConfig, identity: CommandIdentity | None = None) -> ShellSettings:
@@ -89,6 +97,8 @@ class ShellSettings:
             base_env=dict(ex.base_env),
             state_dir=Path(config.paths.state_dir),
             identity=identity,
+            account_env=account_environment(identity),
+            login_shell=ex.login_shell,
         )
 
     def output_limits(self) -> OutputLimits:
@@ -100,26 +110,70 @@ class ShellSettings:
         )
 
 
+def default_path(home: str | None) -> str:
+    """The PATH a command gets when no layer of its environment sets one: the command user's
+    ~/.local/bin first (where `pip install --user`, pipx and many installers put programs,
+    which Debian's ~/.profile adds only for login shells), then config.SYSTEM_PATH."""
+    if not home:
+        return SYSTEM_PATH
+    return f"{home.rstrip('/')}/.local/bin:{SYSTEM_PATH}"
+
+
+def terminal_type(requested: str | None, env: Mapping[str, str]) -> str:
+    """TERM for a command that has a terminal (a PTY): the one its request names, else one its
+    environment already gives, else DEFAULT_TERM."""
+    return requested or env.get("TERM") or DEFAULT_TERM
+
+
 def build_environment(
     base: Mapping[str, str],
     agent: Mapping[str, str],
     call: Mapping[str, str] | None,
-    identity: CommandIdentity | None = None,
+    account: Mapping[str, str] | None = None,
+    *,
+    terminal: bool = False,
+    term: str | None = None,
 ) -> dict[str, str]:
-    """base_env, overridden by the command user's HOME/USER/LOGNAME/SHELL (from its passwd
-    entry), overridden by the bootstrap's agent.env, overridden by the call's env — never the
-    daemon's own environment (which may hold secrets). The user's entry beats base_env, whose
-    HOME is a guess made without knowing the user; an explicit agent.env or env still wins."""
-    env = dict(base)
-    if identity is not None:
-        env.update(identity.environment())
+    """The default PATH, overridden by base_env, overridden by the command user's
+    HOME/USER/LOGNAME/SHELL (`account`, from its passwd entry), overridden by the bootstrap's
+    agent.env, overridden by the call's env — never the daemon's own environment (which may
+    hold secrets). The user's entry beats base_env, whose HOME is a guess made without knowing
+    the user; an explicit agent.env or env still wins. The default PATH's ~/.local/bin is the
+    HOME of the trusted layers (the entry's, else base_env's), never one the caller set.
+
+    TERM: only a command with a terminal (`terminal`, the PTY feature) gets one of its own
+    (terminal_type, from the request's `term`). A command on pipes gets none unless a layer
+    sets it: with a TERM, programs write colours, cursor moves and progress redraws meant for
+    a screen into output that is read as text (spool, result, live events)."""
+    account = account or {}
+    home = account.get("HOME") or base.get("HOME")
+    env = {"PATH": default_path(home)}
+    env.update(base)
+    env.update(account)
     env.update(agent)
     env.update(call or {})
+    if terminal:
+        env["TERM"] = terminal_type(term, env)
     return env
 
 
 def choose_shell(configured: str) -> str:
     return configured if os.access(configured, os.X_OK) else FALLBACK_SHELL
+
+
+def shell_argv(shell: str, command: str, *, login: bool) -> list[str]:
+    """The argv that runs `command`: `<shell> -l -c <command>` for a login shell (which reads
+    /etc/profile and the user's ~/.bash_profile, ~/.bash_login or ~/.profile first, as
+    E2B's `bash -l -c` does), else `<shell> -c <command>`. bash and dash both take -l."""
+    return [shell, "-l", "-c", command] if login else [shell, "-c", command]
+
+
+def uses_login_shell(login_shell: bool, allowed_commands: tuple[str, ...] | None) -> bool:
+    """Whether this call's command runs in a login shell: only with `[exec] login_shell` and
+    never for a call whose assertion has allowed_commands. A login shell runs the profile
+    files before the line, and they are the agent's to write (an earlier unguarded call, or
+    a guarded one's `echo … >> ~/.profile`): the guard never judged what they hold."""
+    return login_shell and allowed_commands is None
 
 
 def describe_exit(returncode: int) -> tuple[int | None, str | None]:
@@ -283,7 +337,8 @@ class ShellRuntime:
         return cwd
 
     async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx: CallContext) -> Command:
-        env = build_environment(self.settings.base_env, ctx.agent_env, params.env, self.settings.identity)
+        env = build_environment(self.settings.base_env, ctx.agent_env, params.env, self.settings.account_env)
+        login = uses_login_shell(self.settings.login_shell, ctx.allowed_commands)
         try:
             output = CommandOutput.open(
                 self.settings.state_dir,
@@ -297,7 +352,7 @@ class ShellRuntime:
             raise start_failure(exc) from None
         try:
             group = await ProcessGroup.spawn(
-                [choose_shell(self.settings.shell), "-c", params.command],
+                shell_argv(choose_shell(self.settings.shell), params.command, login=login),
                 cwd=cwd,
                 env=env,
                 identity=self.settings.identity,
