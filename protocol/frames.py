@@ -272,6 +272,9 @@ class ExecOutputEvent(ServerFrameBase):
 class ExecCompletedBody(ShellResult):
     call_id: CallId
     interrupted: bool = False  # true when a crash cut the command (§10.2)
+    # Present (true) only when the command's memory limit OOM-killed one of its processes
+    # (§7.4.3); the tool.result keeps the seed's ShellResult, without it.
+    oom_killed: Literal[True] | None = optional_field()
 
 
 class ExecCompletedEvent(ServerFrameBase):

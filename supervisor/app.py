@@ -33,6 +33,7 @@ from sandbox_supervisor.daemon.edge.server import BoundListeners, FrontLimits, r
 from sandbox_supervisor.daemon.ops.health import health_response
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
+from sandbox_supervisor.daemon.runtime import cgroups as cgroup_modes
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
@@ -93,6 +94,8 @@ class Daemon:
     # agent.cwd, opened once for the file tools' jail (runtime/paths.py): at bootstrap, or
     # at start when the daemon restarts bound; closed when the daemon stops.
     roots: WorkspaceRoots = field(default_factory=WorkspaceRoots)
+    # One cgroup per command, in the mode detected at start (None: process groups alone).
+    cgroups: cgroup_modes.Cgroups | None = None
 
     def request_stop(self, exit_code: int, reason: str) -> None:
         self.status.request_stop(exit_code, reason)
@@ -137,6 +140,7 @@ def assemble(
     identity: SandboxIdentity,
     notifier: SystemdNotifier,
     command_identity: CommandIdentity | None = None,
+    cgroups: cgroup_modes.Cgroups | None = None,
 ) -> Daemon:
     """The parts that need no nursery."""
     binding = store.binding()
@@ -145,6 +149,7 @@ def assemble(
         session=BootstrapBody.model_validate_json(binding.body_json) if binding else None,
         fence_generation=store.snapshot().fence_generation,
         privilege_separation=command_identity is not None,
+        isolation=None if cgroups is None else cgroups.describe(),
     )
     journal = Journal(store)
     telemetry: Telemetry | None = None
@@ -181,6 +186,7 @@ def assemble(
         notifier=notifier,
         admission=admission,
         telemetry=telemetry,
+        cgroups=cgroups,
     )
 
 
@@ -191,7 +197,7 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     who = daemon.command_identity
     roots = daemon.roots
     shell = ShellRuntime(
-        ShellSettings.from_config(config, who),
+        ShellSettings.from_config(config, who, daemon.cgroups),
         daemon.store,
         daemon.journal,
         nursery,
@@ -301,6 +307,24 @@ def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
     return wanted
 
 
+def detect_isolation(config: SupervisorConfig) -> cgroup_modes.Cgroups:
+    """The cgroup mode for commands (docs/operations.md, "Process isolation"), prepared and
+    logged once; StartupError when a configured cgroup_root cannot be used."""
+    ex = config.exec
+    try:
+        cgroups = cgroup_modes.detect(
+            ex.cgroup,
+            None if ex.cgroup_root is None else str(ex.cgroup_root),
+            config.paths.state_dir,
+            memory_max=ex.memory_max,
+            pids_max=ex.pids_max,
+        )
+    except ValueError as exc:
+        raise StartupError(f"exec.cgroup_root: {exc}") from None
+    log.info("supervisor.isolation", **cgroups.describe())
+    return cgroups
+
+
 def open_state(config: SupervisorConfig) -> tuple[StateStore, KeyRing]:
     try:
         keyring = KeyRing(config.authority.jwks_file)
@@ -332,6 +356,7 @@ async def run_supervisor(
             log.error("supervisor.terminated_at_start")
             notifier.notify("STOPPING=1", "STATUS=terminated after a bootstrap rejection")
             return EXIT_TERMINATED
+        cgroups = detect_isolation(config)
         # Calls a previous instance left pending are completed before anyone can connect, so
         # a reconnecting client finds exactly one result for each of them.
         recovered = recover_pending_calls(
@@ -340,10 +365,13 @@ async def run_supervisor(
             max_file_bytes=config.files.max_file_bytes,
             file_owner=None if who is None else (who.uid, who.gid),
             roots=roots,
+            cgroups=cgroups,
         )
         if recovered:
             log.warning("calls.recovered", count=recovered)
-        daemon = assemble(config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who)
+        daemon = assemble(
+            config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who, cgroups
+        )
         daemon.roots = roots
         try:
             bound, owned_unix = await open_daemon_listeners(config.listen.tcp, config.listen.unix, env)
@@ -379,6 +407,10 @@ async def run_supervisor(
         finally:
             # Only paths the daemon created: an inherited socket belongs to its socket unit.
             remove_unix_paths(owned_unix)
+        try:
+            cgroups.close()
+        except OSError as exc:  # the base directories stay; the next start reuses them
+            log.warning("process.cgroup_remove_failed", error=str(exc))
         stop = daemon.status.stop
         assert stop is not None
         log.info("supervisor.stopped", exit_code=stop.exit_code, reason=stop.reason)

@@ -81,6 +81,9 @@ def _no_nul(path: Path) -> Path:
 LaxPath = Annotated[Path, Field(strict=False), AfterValidator(_no_nul)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveSeconds = Annotated[float, Field(gt=0)]
+# [exec] memory_max: below this a shell cannot even start, so every command would be
+# OOM-killed at once; a smaller value is a typo, not a policy.
+MIN_MEMORY_MAX_BYTES = 1024 * 1024
 
 # listen.unix_allowed_uids: at most this many entries (a list of every account on the machine
 # is a misconfiguration, not a policy), each a real uid: (uid_t)-1 is the "no uid" marker.
@@ -227,6 +230,21 @@ class ExecConfig(_Section):
     user: str | int | None = None
     group: str | int | None = None
     supplementary_groups: list[str | int] = []
+    # Process isolation (docs/operations.md, "Process isolation"): one cgroup per command
+    # where the machine offers one ("auto"), or process groups alone ("off"). cgroup_root: a
+    # cgroup v2 directory to manage (default: the daemon's own cgroup when systemd delegated
+    # it). memory_max (bytes) and pids_max: each command's limits; unset: none.
+    cgroup: Literal["auto", "off"] = "auto"
+    cgroup_root: LaxPath | None = None
+    memory_max: Annotated[int, Field(ge=MIN_MEMORY_MAX_BYTES)] | None = None
+    pids_max: PositiveInt | None = None
+
+    @field_validator("cgroup_root")
+    @classmethod
+    def _check_cgroup_root(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError("cgroup_root must be an absolute path")
+        return value
 
     @field_validator("shell")
     @classmethod
@@ -272,6 +290,12 @@ class ExecConfig(_Section):
         # The live buffer must hold at least one full chunk, or no event could ever be full size.
         if self.output_buffer_bytes < self.output_max_chunk_bytes:
             raise ValueError("output_buffer_bytes must be at least output_max_chunk_bytes")
+        if self.cgroup == "off":
+            # Each needs a cgroup: accepted and then ignored, it would promise a limit that
+            # nothing enforces.
+            for name in ("cgroup_root", "memory_max", "pids_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f'{name} needs cgroup = "auto"')
         # Resolved once here, so an unknown name is a configuration error (exit 2) at start.
         self.command_identity()
         return self

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import trio
@@ -41,8 +41,12 @@ class DaemonStatus:
         session: BootstrapBody | None,
         fence_generation: int,
         privilege_separation: bool = False,
+        isolation: Mapping[str, object] | None = None,
     ) -> None:
         self.version = version
+        # How commands are isolated (runtime/cgroups.py: the mode and the limits enforced),
+        # as detected at start; /healthz reports it.
+        self.isolation: Mapping[str, object] = isolation if isolation is not None else {"mode": "process-group"}
         # Commands run as their own user (`[exec] user`, and the daemon could switch to it);
         # /healthz reports it, so a separation that silently did not happen is visible.
         self.privilege_separation = privilege_separation

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import cgroup_support
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout
 from sandbox_supervisor.daemon.ops.logs import configure_logging
@@ -18,6 +19,16 @@ QUIET_LOG_LEVEL = "error"
 configure_logging(QUIET_LOG_LEVEL, "json")
 
 FAST_WEBSOCKET = {"handshake_timeout_s": 2.0, "drain_budget_s": 0.5}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_cgroups_left_behind() -> Iterator[None]:
+    """Daemons the suite kills with SIGKILL (crash tests) never remove their command cgroups,
+    and each test's state directory names its own (runtime/cgroups.py base_name): remove the
+    empty ones the run made in the machine's hierarchies, so runs do not pile them up."""
+    before = set(cgroup_support.base_directories())
+    yield
+    cgroup_support.remove_empty(set(cgroup_support.base_directories()) - before)
 
 
 @pytest.fixture(scope="session")

@@ -452,3 +452,24 @@ def test_check_config_prints_login_shell_and_refuses_a_value_that_is_not_a_boole
     with pytest.raises(ConfigError) as excinfo:
         load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_EXEC__LOGIN_SHELL": "on"})
     assert "exec.login_shell" in problems_of(excinfo)
+
+
+def test_check_config_validates_the_cgroup_keys(tmp_path: Path) -> None:
+    """[exec] cgroup, cgroup_root, memory_max, pids_max (docs/operations.md, "Process
+    isolation"): each bad value under its own key, and a limit with cgroup = "off" refused,
+    since nothing would enforce it."""
+    path = write(tmp_path, '[exec]\ncgroup = "v2"\ncgroup_root = "relative/dir"\nmemory_max = 1000\npids_max = 0\n')
+    result = run_cli("check-config", "--config", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    for key in ("exec.cgroup", "exec.cgroup_root", "exec.memory_max", "exec.pids_max"):
+        assert any(line.startswith(f"{key}: ") for line in lines), result.stderr
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(write(tmp_path, '[exec]\ncgroup = "off"\nmemory_max = 1048576\n'), env=REQUIRED_ENV)
+    assert "memory_max needs cgroup" in " ".join(problems_of(excinfo).values())
+    config = load_config(
+        write(tmp_path, '[exec]\ncgroup_root = "/sys/fs/cgroup/x"\nmemory_max = 1048576\npids_max = 64\n'), env=REQUIRED_ENV
+    )
+    assert (config.exec.cgroup, str(config.exec.cgroup_root), config.exec.memory_max, config.exec.pids_max) == (
+        "auto", "/sys/fs/cgroup/x", 1048576, 64
+    )

@@ -43,7 +43,8 @@ async def test_health_fields_and_no_session_data(daemon, transport):
     response = await http_request(endpoint, "GET", "/healthz")
     assert response.status == 200
     body = response.json()
-    assert set(body) == {"status", "version", "bound", "uptimeS", "privilegeSeparation"}
+    assert set(body) == {"status", "version", "bound", "uptimeS", "privilegeSeparation", "isolation"}
+    assert set(body["isolation"]) == {"mode", "memoryMax", "pidsMax"}
     assert body["status"] == "ok" and body["bound"] is False
     assert body["privilegeSeparation"] is False  # no [exec] user: commands run as the daemon
     assert isinstance(body["uptimeS"], int)

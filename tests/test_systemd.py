@@ -139,6 +139,13 @@ def test_stop_timeout_covers_the_kill_grace_and_the_drain() -> None:
     assert seconds(one(unit, "Service", "TimeoutStopSec")) >= 2 * (grace_s + drain_s)
 
 
+def test_the_unit_delegates_its_cgroup_so_each_command_gets_one() -> None:
+    """Delegate=yes hands the unit's cgroup subtree to the daemon (runtime/cgroups.py picks it
+    as its cgroup2 root in auto mode, systemd marking it with the trusted.delegate xattr)."""
+    unit = parse_unit(SERVICE)
+    assert one(unit, "Service", "Delegate") == "yes"
+
+
 def test_state_and_runtime_directories_are_private() -> None:
     unit = parse_unit(SERVICE)
     assert one(unit, "Service", "StateDirectory") == "sandbox-supervisor"

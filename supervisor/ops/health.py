@@ -18,12 +18,19 @@ HTTP_UNAVAILABLE = 503
 
 def health_response(status: DaemonStatus) -> tuple[int, bytes]:
     """200 while serving, 503 otherwise; the body says which, the version, whether a session
-    is bound, the uptime in whole seconds, and whether commands run as their own user."""
+    is bound, the uptime in whole seconds, whether commands run as their own user, and how
+    they are isolated (the cgroup mode and the per-command limits it enforces, null: none)."""
+    isolation = status.isolation
     body = {
         "status": HEALTH_STATUS[status.lifecycle],
         "version": status.version,
         "bound": status.session is not None,
         "uptimeS": int(time.monotonic() - status.started_monotonic),
         "privilegeSeparation": status.privilege_separation,
+        "isolation": {
+            "mode": isolation.get("mode"),
+            "memoryMax": isolation.get("memory_max"),
+            "pidsMax": isolation.get("pids_max"),
+        },
     }
     return (HTTP_OK if status.serving else HTTP_UNAVAILABLE), json_body(body)

@@ -1,7 +1,11 @@
 """A command's process group, from spawn to the moment the daemon may forget it (docs/protocol.md §7.4.1, §10).
 
 Each command runs in a new session and process group, so a signal, a timeout or a stop
-reaches every descendant, background jobs included. `ProcessGroup` is that group's lifecycle:
+reaches every descendant, background jobs included. With a cgroup (runtime/cgroups.py) the
+command is also in a cgroup of its own, which no descendant can leave (`setsid` leaves the
+group, not the cgroup): signals then go to every member of the cgroup, the final kill is the
+cgroup's (`cgroup.kill`, or freeze and kill in v1), and the group is alive while the cgroup is
+populated. `ProcessGroup` is that group's lifecycle:
 spawn (through the OOM wrapper), wait, time out (SIGTERM to the group, SIGKILL to whatever is
 left after the grace), abandon (SIGKILL and a bounded reap), signal. `LingeringGroups` watches
 the groups that outlive their call (background descendants) and hands each back once it is
@@ -25,8 +29,9 @@ import trio
 
 from sandbox_supervisor.protocol.fields import Stream
 from sandbox_supervisor.daemon.runtime import processes
+from sandbox_supervisor.daemon.runtime.cgroups import CommandCgroup
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity
-from sandbox_supervisor.daemon.runtime.oom import with_oom_score_adj
+from sandbox_supervisor.daemon.runtime.oom import GATE_GO, with_oom_score_adj
 
 __all__ = [
     "ABANDON_REAP_TIMEOUT_S",
@@ -57,10 +62,13 @@ class LeaderExit(NamedTuple):
 class ProcessGroup:
     """A spawned process leading its own session and process group (pgid == its pid)."""
 
-    def __init__(self, process: trio.Process) -> None:
+    def __init__(self, process: trio.Process, cgroup: CommandCgroup | None = None) -> None:
         self.process = process
         # start_new_session: the process leads its own session and group.
         self.pgid = process.pid
+        # The command's own cgroup, which it was placed in before it exec'd (None: process
+        # groups alone).
+        self.cgroup = cgroup
 
     @classmethod
     async def spawn(
@@ -70,9 +78,16 @@ class ProcessGroup:
         cwd: Path,
         env: Mapping[str, str],
         identity: CommandIdentity | None = None,
+        cgroup: CommandCgroup | None = None,
     ) -> ProcessGroup:
         """Start `argv` in a new session with stdin on /dev/null and stdout and stderr on two
         pipes; OSError when it cannot be started.
+
+        With a `cgroup`, the wrapper waits on a gate (its stdin, a pipe) until the daemon has
+        written its pid into the cgroup, and only then execs `argv` (with /dev/null as stdin):
+        nothing of the command runs outside its cgroup, and no fork can slip out before the
+        move. When the move fails the gate closes unopened, the wrapper exits without running
+        `argv`, and OSError is raised.
 
         Through the oom wrapper: the value is set in the process itself before `argv` execs,
         so nothing it forks can keep the daemon's protection. The wrapper execs, so the pid
@@ -84,20 +99,47 @@ class ProcessGroup:
         privilege. CPython changes to `cwd` before it switches ids, so a `cwd` the user cannot
         enter still starts (the command then cannot list it); the jail keeps `cwd` in the workspace.
         """
-        process = await trio.lowlevel.open_process(
-            with_oom_score_adj(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=str(cwd),
-            env=dict(env),
-            start_new_session=True,  # its own session and process group
-            # None for each: no switch, the daemon's own ids (Popen's defaults).
-            user=None if identity is None else identity.uid,
-            group=None if identity is None else identity.gid,
-            extra_groups=None if identity is None else list(identity.groups),
-        )
-        return cls(process)
+        gate_read, gate_write = os.pipe() if cgroup is not None else (None, None)
+        try:
+            process = await trio.lowlevel.open_process(
+                with_oom_score_adj(argv, gated=cgroup is not None),
+                stdin=subprocess.DEVNULL if gate_read is None else gate_read,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=str(cwd),
+                env=dict(env),
+                start_new_session=True,  # its own session and process group
+                # None for each: no switch, the daemon's own ids (Popen's defaults).
+                user=None if identity is None else identity.uid,
+                group=None if identity is None else identity.gid,
+                extra_groups=None if identity is None else list(identity.groups),
+            )
+        except BaseException:
+            if gate_write is not None:
+                os.close(gate_write)
+            raise
+        finally:
+            if gate_read is not None:
+                os.close(gate_read)
+        group = cls(process, cgroup)
+        if cgroup is not None and gate_write is not None:
+            try:
+                cgroup.add(process.pid)
+                os.write(gate_write, GATE_GO)
+            except BaseException:
+                # The gate closes unopened below: the wrapper exits without running argv.
+                os.close(gate_write)
+                gate_write = None
+                # Not by the cgroup: the process may not have made it in.
+                group.cgroup = None
+                await group.abandon()
+                for pipe in group.pipes().values():
+                    await pipe.aclose()
+                raise
+            finally:
+                if gate_write is not None:
+                    os.close(gate_write)
+        return group
 
     @property
     def pid(self) -> int:
@@ -123,7 +165,13 @@ class ProcessGroup:
         return processes.start_ticks(self.pid)
 
     def send_signal(self, signum: int) -> bool:
-        """Signal the whole group. False when no process of it is left."""
+        """Signal the whole group — with a cgroup, every member of the cgroup, which holds
+        the group and whatever left it with setsid. False when no process of it is left."""
+        if self.cgroup is not None:
+            try:
+                return self.cgroup.signal(signum) > 0
+            except OSError:
+                pass  # the cgroup unreadable (removed under us): the group is what is known
         try:
             os.killpg(self.pgid, signum)
             return True
@@ -131,9 +179,33 @@ class ProcessGroup:
             # PermissionError: the pgid was reused by someone else's process; not ours.
             return False
 
+    def kill(self) -> None:
+        """SIGKILL everything: by the cgroup (race-free) when there is one, else the group."""
+        if self.cgroup is not None:
+            try:
+                self.cgroup.kill()
+                return
+            except OSError:
+                pass
+        self.send_signal(signal.SIGKILL)
+
     def alive(self) -> bool:
-        """True while any non-zombie process remains in the group."""
+        """True while any non-zombie process remains in the group — with a cgroup, while
+        the cgroup is populated."""
+        if self.cgroup is not None:
+            try:
+                return self.cgroup.populated()
+            except OSError:
+                pass
         return processes.group_alive(self.pgid)
+
+    def oom_killed(self) -> bool:
+        """The cgroup's memory limit OOM-killed a process of the command."""
+        return self.cgroup is not None and self.cgroup.oom_kills() > 0
+
+    def release(self) -> bool:
+        """Remove the cgroup once nothing is left in it; False when it is still busy."""
+        return self.cgroup is None or self.cgroup.remove()
 
     async def wait(self) -> int:
         """Wait for the leader to exit (and reap it); its return code."""
@@ -156,13 +228,17 @@ class ProcessGroup:
         with trio.move_on_after(grace_s):
             while self.alive():
                 await trio.sleep(GROUP_POLL_S)
-        self.send_signal(signal.SIGKILL)
+        if self.cgroup is not None:
+            # A v1 freeze waits for the tasks to stop: off the trio loop.
+            await trio.to_thread.run_sync(self.kill)
+        else:
+            self.send_signal(signal.SIGKILL)
 
     async def abandon(self) -> None:
         """SIGKILL the group and reap the leader, waiting at most ABANDON_REAP_TIMEOUT_S even
         inside a cancelled scope: for a call that is cancelled or failed, so that no group is
         left running that nobody tends."""
-        self.send_signal(signal.SIGKILL)
+        self.kill()
         with trio.move_on_after(ABANDON_REAP_TIMEOUT_S) as scope:
             scope.shield = True
             await self.process.wait()

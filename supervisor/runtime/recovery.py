@@ -15,6 +15,7 @@ import structlog
 
 from sandbox_supervisor.protocol.fields import STREAMS
 from sandbox_supervisor.daemon.runtime import processes
+from sandbox_supervisor.daemon.runtime.cgroups import Cgroups
 from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
@@ -28,9 +29,16 @@ log = structlog.get_logger("supervisor.recovery")
 NOT_FINISHED_MESSAGE = "The supervisor stopped before the call finished."
 
 
-def kill_leftover_groups(store: StateStore, state_dir: Path) -> int:
-    """Kill the groups recorded by a previous instance that still run the same processes."""
+def kill_leftover_groups(store: StateStore, state_dir: Path, cgroups: Cgroups | None = None) -> int:
+    """Kill the groups recorded by a previous instance that still run the same processes,
+    and every process of the command cgroups it left (which holds what left the groups with
+    setsid, and what a crash between a cgroup's creation and its record started)."""
     killed = 0
+    if cgroups is not None and cgroups.enabled:
+        for leftover in cgroups.kill_leftovers():
+            if leftover.processes:
+                log.warning("process.leftover_cgroup_killed", call_id=leftover.name, processes=leftover.processes)
+            killed += leftover.processes
     for call_id, pid, pgid, start in store.recorded_processes():
         count = processes.kill_leftover_group(pid, pgid, start)
         if count:
@@ -57,12 +65,14 @@ def recover_pending_calls(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     file_owner: tuple[int, int] | None = None,
     roots: WorkspaceRoots | None = None,
+    cgroups: Cgroups | None = None,
 ) -> int:
     """Complete every pending call; returns how many. Groups are killed first, so an
     interrupted command's spool no longer grows while it is summarised. `roots`: the
     daemon's opened agent.cwd, which recovered patches resolve from (a private one when
-    None, closed at the end)."""
-    kill_leftover_groups(store, state_dir)
+    None, closed at the end). `cgroups`: the daemon's, whose leftover command cgroups are
+    killed and removed too."""
+    kill_leftover_groups(store, state_dir, cgroups)
     own_roots = roots is None
     if roots is None:
         roots = WorkspaceRoots()

@@ -42,6 +42,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
     OutputLimits,
     SpoolBudget,
 )
+from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
@@ -81,9 +82,14 @@ class ShellSettings:
     account_env: Mapping[str, str] = field(default_factory=dict)
     # `[exec] login_shell`: `<shell> -l -c`, except for guarded calls (shell_argv).
     login_shell: bool = False
+    # One cgroup per command (runtime/cgroups.py), as detected at start; None or a
+    # process-group mode: process groups alone.
+    cgroups: Cgroups | None = None
 
     @classmethod
-    def from_config(cls, config: SupervisorConfig, identity: CommandIdentity | None = None) -> ShellSettings:
+    def from_config(
+        cls, config: SupervisorConfig, identity: CommandIdentity | None = None, cgroups: Cgroups | None = None
+    ) -> ShellSettings:
         ex = config.exec
         return cls(
             shell=ex.shell,
@@ -99,6 +105,7 @@ class ShellSettings:
             identity=identity,
             account_env=account_environment(identity),
             login_shell=ex.login_shell,
+            cgroups=cgroups,
         )
 
     def output_limits(self) -> OutputLimits:
@@ -270,6 +277,7 @@ class ShellRuntime:
                 params.timeout_ms / 1000, self.settings.kill_grace_s
             )
             self._mark_exited(command)
+            oom_killed = command.group.oom_killed()
         except BaseException:
             # Cancelled (the daemon is stopping) or the journal failed: never leave a group
             # running that nobody tends. The call stays pending; the next start reports it
@@ -289,7 +297,11 @@ class ShellRuntime:
             "duration_ms": int((trio.current_time() - command.started) * 1000),
             **{name: command.output.summary_body(name) for name in STREAMS},
         }
-        running.final_events.append((EXEC_COMPLETED, {**result, "call_id": call.call_id, "interrupted": False}))
+        completed: dict[str, Any] = {**result, "call_id": call.call_id, "interrupted": False}
+        if oom_killed:
+            # exec.completed only: the tool.result keeps the seed's schema exactly (§7.4.3).
+            completed["oom_killed"] = True
+        running.final_events.append((EXEC_COMPLETED, completed))
         # From here on the output is after_exit; the CallRunner journals final_events and the
         # tool.result in one transaction right after we return (no checkpoint in between).
         self._complete(command)
@@ -350,15 +362,23 @@ class ShellRuntime:
             )
         except OSError as exc:
             raise start_failure(exc) from None
+        cgroup: CommandCgroup | None = None
         try:
+            cgroups = self.settings.cgroups
+            if cgroups is not None and cgroups.enabled:
+                # Blocking, but a few mkdir/writes on a kernel file system.
+                cgroup = cgroups.create(call_id)
             group = await ProcessGroup.spawn(
                 shell_argv(choose_shell(self.settings.shell), params.command, login=login),
                 cwd=cwd,
                 env=env,
                 identity=self.settings.identity,
+                cgroup=cgroup,
             )
         except BaseException as exc:
             output.close()
+            if cgroup is not None:
+                cgroup.remove()
             if isinstance(exc, OSError):
                 raise start_failure(exc) from None
             raise
@@ -429,6 +449,10 @@ class ShellRuntime:
     def _forget(self, command: Command) -> None:
         self._lingering.discard(command.group)
         self.commands.pop(command.call_id, None)
+        if not command.group.release():
+            # Still busy (a member between exit and its removal from the cgroup): the next
+            # start removes it with the leftovers.
+            log.warning("process.cgroup_remove_failed", call_id=command.call_id)
         try:
             self.store.forget_process(command.call_id)
         except StoreError as exc:

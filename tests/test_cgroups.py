@@ -1,0 +1,524 @@
+"""One cgroup per command (runtime/cgroups.py): the pure decisions, then real cgroups — a
+private cgroup2 mount and the machine's v1 hierarchies — with real shells, a real journal and
+a real daemon. Skips name the facility this machine lacks (tests/cgroup_support.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from cgroup_support import (
+    cgroup1_unavailable,
+    cgroup2_unavailable,
+    kill_quietly,
+    private_cgroup2,
+    v1_memory_unavailable,
+)
+from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, ExecCompletedBody
+from sandbox_supervisor.protocol.tools import parse_tool_call
+from sandbox_supervisor.daemon.runtime import cgroups
+from sandbox_supervisor.daemon.runtime.cgroups import (
+    CgroupMounts,
+    Plan,
+    V2Facts,
+    choose_plan,
+    delegated_root,
+    parse_keyed,
+    parse_mountinfo,
+    parse_proc_cgroup,
+)
+from sandbox_supervisor.daemon.runtime.processes import read_stat
+from sandbox_supervisor.daemon.runtime.recovery import kill_leftover_groups
+from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
+from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.store import StateStore
+from sandbox_supervisor.testing.client import http_request
+from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
+
+DEADLINE_S = 10
+POLL_S = 0.02
+MIB = 1024 * 1024
+GRACE_S = 0.3
+# A child that leaves the command's process group and session (setsid -f), records its pid,
+# and would sleep for minutes; the command says "ready" once the pid file is there.
+ESCAPES = (
+    "setsid -f sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped.pid; exec sleep 300'; "
+    "while [ ! -s escaped.pid ]; do sleep 0.01; done; echo ready; sleep 60"
+)
+
+V2_SKIP = cgroup2_unavailable()
+V1_SKIP = cgroup1_unavailable()
+OOM_SKIP = v1_memory_unavailable()
+needs_cgroup2 = pytest.mark.skipif(V2_SKIP is not None, reason=f"cgroup2: {V2_SKIP}")
+needs_cgroup1 = pytest.mark.skipif(V1_SKIP is not None, reason=f"cgroup1: {V1_SKIP}")
+needs_v1_memory = pytest.mark.skipif(OOM_SKIP is not None, reason=f"OOM: {OOM_SKIP}")
+
+
+# --- pure decisions --------------------------------------------------------------------------
+
+HYBRID_CGROUP = """12:pids:/
+11:freezer:/
+4:memory:/process_api/abc
+3:cpu,cpuacct:/
+1:name=systemd:/
+0::/
+"""
+UNIFIED_CGROUP = "0::/system.slice/sandbox-supervisor.service\n"
+MOUNTINFO = """31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
+37 31 0:34 / /sys/fs/cgroup/freezer rw,relatime - cgroup cgroup rw,freezer
+39 31 0:36 / /sys/fs/cgroup/pids rw,relatime shared:9 - cgroup cgroup rw,pids
+40 31 0:40 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+42 31 0:38 /sub /mnt/bind rw,relatime - cgroup2 cgroup2 rw
+43 31 0:38 / /mnt/with\\040space rw,relatime - cgroup2 cgroup2 rw
+"""
+
+
+def test_proc_cgroup_names_the_unified_path_and_each_v1_controller():
+    parsed = parse_proc_cgroup(HYBRID_CGROUP)
+    assert parsed.unified == "/"
+    assert parsed.v1 == {"pids": "/", "freezer": "/", "memory": "/process_api/abc", "cpu": "/", "cpuacct": "/"}
+    assert parse_proc_cgroup(UNIFIED_CGROUP) == cgroups.ProcCgroup("/system.slice/sandbox-supervisor.service", {})
+    assert parse_proc_cgroup("garbage\n") == cgroups.ProcCgroup(None, {})
+
+
+def test_mountinfo_finds_hierarchy_roots_only_and_unescapes_paths():
+    mounts = parse_mountinfo(MOUNTINFO)
+    # A bind mount of a subtree (/sub) would put /proc/self/cgroup's paths in the wrong place.
+    assert mounts == CgroupMounts(
+        ("/sys/fs/cgroup/unified", "/mnt/with space"),
+        {"memory": "/sys/fs/cgroup/memory", "freezer": "/sys/fs/cgroup/freezer", "pids": "/sys/fs/cgroup/pids"},
+    )
+    assert cgroups.hierarchy_path("/sys/fs/cgroup/memory", "/process_api/abc") == "/sys/fs/cgroup/memory/process_api/abc"
+    assert cgroups.hierarchy_path("/sys/fs/cgroup/pids", "/") == "/sys/fs/cgroup/pids"
+
+
+def test_keyed_files_memory_events_and_oom_control():
+    assert parse_keyed("low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n")["oom_kill"] == 2
+    assert parse_keyed("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n") == {"oom_kill_disable": 0, "under_oom": 0, "oom_kill": 1}
+    assert parse_keyed("populated 1\nfrozen 0\n")["populated"] == 1
+    assert parse_keyed("weird line here\nx notanumber\n") == {}
+    assert cgroups.parse_procs("12\n345\n\n") == [12, 345]
+
+
+def test_base_name_is_stable_per_state_directory():
+    assert cgroups.base_name("/var/lib/s") == cgroups.base_name("/var/lib/s/")
+    assert cgroups.base_name("/var/lib/s") != cgroups.base_name("/var/lib/t")
+    assert cgroups.base_name("/var/lib/s").startswith(cgroups.BASE_PREFIX)
+
+
+V1_ALL = {"freezer": "/fz/own", "memory": "/mem/own", "pids": "/pids/own"}
+
+
+def usable(path: str = "/cg/root", **kw: Any) -> V2Facts:
+    return V2Facts(path, usable=True, delegated=True, **kw)
+
+
+def test_off_means_process_groups_whatever_the_machine_offers():
+    assert choose_plan("off", None, usable(), V1_ALL, MIB * 64, 100) == Plan("process-group")
+
+
+def test_an_explicit_root_that_cannot_be_used_is_a_problem_not_a_fallback():
+    plan = choose_plan("auto", "/cg/x", V2Facts("/cg/x", usable=False, delegated=True), V1_ALL, None, None)
+    assert plan.mode == "process-group" and plan.problem is not None and "/cg/x" in plan.problem
+
+
+def test_a_daemon_inside_its_root_moves_into_a_leaf_and_limits_use_v2_controllers():
+    facts = usable(controllers=frozenset({"memory", "pids", "cpu"}), daemon_inside=True)
+    plan = choose_plan("auto", None, facts, V1_ALL, MIB * 64, 100)
+    assert plan.mode == "cgroup2" and plan.v2_root == "/cg/root"
+    assert plan.move_daemon_to == "/cg/root/supervisor"
+    assert plan.v2_limits == {"memory", "pids"} and plan.v1_parents == {}
+    assert (plan.memory_max, plan.pids_max) == (MIB * 64, 100)
+
+
+def test_cgroup2_without_limit_controllers_takes_limits_from_v1_where_mounted():
+    plan = choose_plan("auto", "/cg/root", usable(controllers=frozenset({"hugetlb"})), {"memory": "/mem/own"}, MIB * 64, 100)
+    assert plan.mode == "cgroup2" and plan.v2_limits == frozenset()
+    assert plan.v1_parents == {"memory": "/mem/own"}
+    # pids: neither v2 nor v1 offers it, so it is not enforced (and reported so).
+    assert (plan.memory_max, plan.pids_max) == (MIB * 64, None)
+
+
+def test_auto_never_manages_an_undelegated_or_the_hierarchy_root_cgroup():
+    undelegated = V2Facts("/cg/own", usable=True, delegated=False)
+    root = V2Facts("/cg", usable=True, delegated=True, is_hierarchy_root=True)
+    for facts in (undelegated, root, None):
+        plan = choose_plan("auto", None, facts, V1_ALL, None, None)
+        assert plan.mode == "cgroup1" and plan.v1_parents == {"freezer": "/fz/own"}
+        assert choose_plan("auto", None, facts, {}, None, None).mode == "process-group"
+
+
+def test_cgroup1_needs_the_freezer_and_uses_memory_and_pids_only_for_limits_set():
+    plan = choose_plan("auto", None, None, V1_ALL, MIB * 64, None)
+    assert plan.mode == "cgroup1" and plan.v1_parents == {"freezer": "/fz/own", "memory": "/mem/own"}
+    assert (plan.memory_max, plan.pids_max) == (MIB * 64, None)
+    assert choose_plan("auto", None, None, {"memory": "/mem/own", "pids": "/p"}, MIB * 64, 5).mode == "process-group"
+
+
+def test_delegation_is_the_own_cgroup_or_the_parent_of_the_daemons_leaf():
+    own = "/sys/fs/cgroup/system.slice/s.service"
+    assert delegated_root(own, True, False) == (own, True)
+    assert delegated_root(own + "/supervisor", False, True) == (own, False)
+    assert delegated_root(own + "/other", False, True) is None
+    assert delegated_root(own, False, False) is None
+
+
+def test_cgroups_module_imports_only_the_standard_library():
+    code = (
+        "import sys, json\n"
+        "import sandbox_supervisor.daemon.runtime.cgroups\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = json.loads(done.stdout)
+    heavy = [m for m in loaded if m.split(".")[0] in ("pydantic", "pydantic_core", "trio", "structlog")]
+    assert heavy == []
+    ours = [m for m in loaded if m.startswith("sandbox_supervisor") and m not in (
+        "sandbox_supervisor", "sandbox_supervisor.daemon", "sandbox_supervisor.daemon.runtime",
+        "sandbox_supervisor.daemon.runtime.cgroups",
+    )]
+    assert ours == []
+
+
+# --- a shell runtime with cgroups --------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    shell: ShellRuntime
+    store: StateStore
+    workspace: Path
+
+    def running_call(self, command: str, **params: Any) -> RunningCall:
+        call = parse_tool_call(
+            {
+                "tool_name": "execute_shell_command",
+                "call_id": str(uuid.uuid4()),
+                "idempotency_key": f"k-{uuid.uuid4()}",
+                "parameters": {"command": command, **params},
+            }
+        )
+        context = CallContext(
+            session_id="session-1",
+            generation=1,
+            cwd=str(self.workspace),
+            agent_env={},
+            scopes=frozenset({"shell:exec"}),
+            allowed_paths=None,
+            allowed_commands=None,
+        )
+        return RunningCall(call, context)
+
+    async def run(self, command: str, **params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The tool result and the exec.completed body."""
+        running = self.running_call(command, **params)
+        result = await self.shell.execute(running)
+        completed = [body for kind, body in running.final_events if kind == EXEC_COMPLETED]
+        assert len(completed) == 1
+        return result, completed[0]
+
+    async def escaped_pid(self) -> int:
+        path = self.workspace / "escaped.pid"
+        with trio.fail_after(DEADLINE_S):
+            while not path.exists():
+                await trio.sleep(POLL_S)
+        return int(path.read_text())
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StateStore]:
+    with StateStore.open(tmp_path / "state") as opened:
+        yield opened
+
+
+@asynccontextmanager
+async def runtime(store: StateStore, tmp_path: Path, groups: cgroups.Cgroups | None) -> AsyncIterator[Rig]:
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    settings = ShellSettings(
+        shell="/bin/sh",
+        max_processes=4,
+        kill_grace_s=GRACE_S,
+        throttle_ms=10,
+        max_chunk_bytes=4096,
+        buffer_bytes=65536,
+        spool_max_bytes=1 << 20,
+        spool_total_max_bytes=1 << 30,
+        base_env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
+        state_dir=store.path.parent,
+        cgroups=groups,
+    )
+    async with trio.open_nursery() as nursery:
+        shell = ShellRuntime(settings, store, Journal(store), nursery)
+        try:
+            yield Rig(shell, store, workspace)
+        finally:
+            await shell.stop_all()
+            with trio.fail_after(DEADLINE_S):
+                while shell.commands:
+                    await trio.sleep(POLL_S)
+
+
+def alive(pid: int) -> bool:
+    stat = read_stat(pid)
+    return stat is not None and stat.state != "Z"
+
+
+async def wait_dead(pid: int) -> None:
+    with trio.fail_after(DEADLINE_S):
+        while alive(pid):
+            await trio.sleep(POLL_S)
+
+
+MODES = [
+    pytest.param("cgroup2", marks=needs_cgroup2, id="cgroup2"),
+    pytest.param("cgroup1", marks=needs_cgroup1, id="cgroup1"),
+]
+
+
+@pytest.fixture
+def mode_cgroups(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[cgroups.Cgroups]:
+    """Cgroups in the mode the test is parametrised with (memory_max/pids_max from marks)."""
+    limits = request.node.get_closest_marker("limits")
+    kwargs = limits.kwargs if limits else {}
+    state_dir = tmp_path / "state"
+    if request.param == "cgroup2":
+        with private_cgroup2() as root:
+            groups = cgroups.detect("auto", str(root), state_dir, **kwargs)
+            assert groups.mode == "cgroup2"
+            try:
+                yield groups
+            finally:
+                groups.close()
+    else:
+        groups = cgroups.detect("auto", None, state_dir, **kwargs)
+        assert groups.mode == "cgroup1"
+        try:
+            yield groups
+        finally:
+            groups.kill_leftovers()
+            groups.close()
+
+
+def parametrize_modes(func: Any) -> Any:
+    return pytest.mark.parametrize("mode_cgroups", MODES, indirect=True)(func)
+
+
+async def test_process_group_mode_a_setsid_child_still_escapes_a_timeout(store, tmp_path):
+    """The fallback behaves as before: the group ends, a child that left it (setsid) does not."""
+    async with runtime(store, tmp_path, None) as rig:
+        result, completed = await rig.run(ESCAPES, timeout_ms=1000)
+        escaped = await rig.escaped_pid()
+        try:
+            assert result["timed_out"] is True and "oom_killed" not in completed
+            assert alive(escaped)
+        finally:
+            kill_quietly(escaped)
+
+
+@parametrize_modes
+async def test_a_setsid_child_dies_on_timeout(store, tmp_path, mode_cgroups):
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        result, _ = await rig.run(ESCAPES, timeout_ms=1000)
+        escaped = await rig.escaped_pid()
+        try:
+            assert result["timed_out"] is True and result["signal"] == "SIGTERM"
+            assert result["stdout"]["head"] == "ready\n"
+            await wait_dead(escaped)
+        finally:
+            kill_quietly(escaped)
+        # Forgotten once empty, and its cgroup removed.
+        with trio.fail_after(DEADLINE_S):
+            while rig.shell.commands:
+                await trio.sleep(POLL_S)
+        assert mode_cgroups.existing() == []
+
+
+@parametrize_modes
+async def test_a_setsid_child_ignoring_sigterm_dies_on_stop(store, tmp_path, mode_cgroups):
+    command = ESCAPES.replace("sh -c '", "sh -c 'trap \"\" TERM; ")
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        async with trio.open_nursery() as nursery:
+            outcome: dict[str, Any] = {}
+
+            async def run() -> None:
+                outcome["result"], _ = await rig.run(command, timeout_ms=60_000)
+
+            nursery.start_soon(run)
+            escaped = await rig.escaped_pid()
+            try:
+                assert alive(escaped)
+                with trio.fail_after(DEADLINE_S):
+                    await rig.shell.stop_all()
+                await wait_dead(escaped)
+            finally:
+                kill_quietly(escaped)
+        assert outcome["result"]["signal"] == "SIGTERM"
+
+
+@parametrize_modes
+async def test_the_command_is_in_its_cgroup_before_its_first_instruction(store, tmp_path, mode_cgroups):
+    """The wrapper waits on its gate until the daemon placed it: the command's very first
+    child already sees the cgroup named by its call_id."""
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        running = rig.running_call("cat /proc/self/cgroup")
+        result = await rig.shell.execute(running)
+    lines = result["stdout"]["head"].splitlines()
+    hierarchy = "0::" if mode_cgroups.mode == "cgroup2" else "freezer:"
+    placed = [line for line in lines if hierarchy in line]
+    assert placed and placed[0].endswith("/" + running.call.call_id), lines
+
+
+async def test_a_command_that_cannot_be_placed_never_runs(tmp_path):
+    from sandbox_supervisor.daemon.runtime.process_group import ProcessGroup
+
+    nowhere = cgroups.CommandCgroup("x", str(tmp_path / "no-such-cgroup"), {})
+    with pytest.raises(OSError):
+        await ProcessGroup.spawn(["/bin/sh", "-c", "touch ran"], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, cgroup=nowhere)
+    assert not (tmp_path / "ran").exists()
+
+
+@parametrize_modes
+async def test_background_output_after_exit_still_arrives_and_the_cgroup_lingers_until_empty(store, tmp_path, mode_cgroups):
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        running = rig.running_call("(sleep 0.5; echo late) & echo early")
+        result = await rig.shell.execute(running)
+        assert result["stdout"]["head"] == "early\n"
+        call_id = running.call.call_id
+        assert call_id in rig.shell.commands  # lingering: its cgroup still has the sleeper
+        with trio.fail_after(DEADLINE_S):
+            while call_id in rig.shell.commands:
+                await trio.sleep(POLL_S)
+        spooled = (store.path.parent / "spool" / call_id / "stdout").read_bytes()
+        assert spooled == b"early\nlate\n"
+        assert mode_cgroups.existing() == []
+
+
+@parametrize_modes
+@pytest.mark.limits(pids_max=4)
+async def test_pids_max_limits_the_commands_processes(store, tmp_path, mode_cgroups):
+    if mode_cgroups.pids_max is None:
+        pytest.skip(f"{mode_cgroups.mode}: no pids controller here (v2 nor v1)")
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        result, _ = await rig.run("for i in 1 2 3 4 5 6 7 8; do sleep 2 & done; wait; echo done", timeout_ms=20_000)
+    assert "fork" in result["stderr"]["head"].lower() or "resource" in result["stderr"]["head"].lower()
+
+
+@pytest.mark.parametrize(
+    "mode_cgroups",
+    [
+        pytest.param("cgroup2", marks=[needs_cgroup2, needs_v1_memory], id="cgroup2+v1-memory"),
+        pytest.param("cgroup1", marks=[needs_cgroup1, needs_v1_memory], id="cgroup1"),
+    ],
+    indirect=True,
+)
+@pytest.mark.limits(memory_max=32 * MIB)
+async def test_a_memory_limit_oom_kills_and_exec_completed_says_so(store, tmp_path, mode_cgroups):
+    assert mode_cgroups.memory_max == 32 * MIB
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        grow = f"{sys.executable} -c \"x = b'a' * (512 * 1024 * 1024)\""
+        result, completed = await rig.run(f"exec {grow}", timeout_ms=30_000)
+        assert result["signal"] == "SIGKILL" and result["timed_out"] is False
+        assert completed["oom_killed"] is True
+        # The tool result keeps the seed's schema: no new field there.
+        assert "oom_killed" not in result
+        ExecCompletedBody.model_validate(completed)
+        _, small = await rig.run("echo fits", timeout_ms=10_000)
+        assert "oom_killed" not in small and small["exit_code"] == 0
+
+
+@parametrize_modes
+async def test_a_restart_kills_and_removes_the_command_cgroups_a_crash_left(store, tmp_path, mode_cgroups):
+    leftover = mode_cgroups.create("a-crashed-call")
+    sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        leftover.add(sleeper.pid)
+        again = cgroups.detect("auto", mode_cgroups.plan.v2_root, tmp_path / "state")
+        assert again.mode == mode_cgroups.mode
+        assert kill_leftover_groups(store, store.path.parent, again) == 1
+        assert sleeper.wait(timeout=DEADLINE_S) == -9
+        assert again.existing() == []
+    finally:
+        kill_quietly(sleeper.pid)
+        sleeper.wait()
+
+
+@needs_cgroup2
+def test_a_daemon_inside_its_cgroup_root_moves_into_a_leaf(tmp_path):
+    with private_cgroup2() as root:
+        code = (
+            "import os, sys\n"
+            "from sandbox_supervisor.daemon.runtime import cgroups\n"
+            "open(os.path.join(sys.argv[1], 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
+            "groups = cgroups.detect('auto', sys.argv[1], sys.argv[2], pids_max=10)\n"
+            "print(groups.mode, open('/proc/self/cgroup').read().splitlines()[-1])\n"
+        )
+        done = subprocess.run([sys.executable, "-c", code, str(root), str(tmp_path / "state")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        mode, own = done.stdout.split()
+        assert mode == "cgroup2"
+        assert own.startswith("0::") and own.endswith(f"/{root.name}/supervisor")
+        assert (root / cgroups.base_name(tmp_path / "state")).is_dir()
+
+
+# --- the daemon ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_daemon_reports_its_mode_and_a_stop_ends_escaped_children(tmp_path, authority, log_lines, mode):
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {"kill_grace_ms": 300, "pids_max": 64}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        async with in_process_daemon(layout) as daemon:
+            health = json.loads((await http_request(daemon.tcp, "GET", "/healthz")).body)
+            assert health["isolation"]["mode"] == mode
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                await session.call("execute_shell_command", {"command": ESCAPES, "timeout_ms": 60_000}, idempotency_key="k1")
+                pid_file = layout.workspace / "escaped.pid"
+                with trio.fail_after(DEADLINE_S):
+                    while not pid_file.exists():
+                        await trio.sleep(POLL_S)
+                escaped = int(pid_file.read_text())
+        try:
+            await wait_dead(escaped)  # the daemon's stop (drain) ended it
+        finally:
+            kill_quietly(escaped)
+    started = [line for line in log_lines() if line["event"] == "supervisor.isolation"]
+    assert len(started) == 1 and started[0]["mode"] == mode
+    assert started[0]["pids_max"] == health["isolation"]["pidsMax"]
+
+
+@needs_cgroup2
+async def test_a_configured_cgroup_root_that_is_not_one_stops_the_start(tmp_path, authority):
+    from sandbox_supervisor.daemon.app import StartupError
+
+    not_a_cgroup = tmp_path / "plain"
+    not_a_cgroup.mkdir()
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"cgroup_root": str(not_a_cgroup)})
+    with pytest.raises(StartupError, match="cgroup_root"):
+        async with in_process_daemon(layout):
+            pass
+
+
+async def test_cgroup_off_reports_process_groups(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"cgroup": "off"})
+    async with in_process_daemon(layout) as daemon:
+        health = json.loads((await http_request(daemon.tcp, "GET", "/healthz")).body)
+    assert health["isolation"] == {"mode": "process-group", "memoryMax": None, "pidsMax": None}
+
