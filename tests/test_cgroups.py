@@ -176,6 +176,21 @@ def test_delegation_is_the_own_cgroup_or_the_parent_of_the_daemons_leaf():
     assert delegated_root(own, False, False) is None
 
 
+def test_an_automatic_choice_that_cannot_be_prepared_falls_back_and_says_why(tmp_path, monkeypatch):
+    def refuse(self: cgroups.Cgroups) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cgroups, "gather_and_choose", lambda *args: Plan("cgroup1", v1_parents={"freezer": "/x"}))
+    monkeypatch.setattr(cgroups.Cgroups, "prepare", refuse)
+    groups = cgroups.detect("auto", None, tmp_path)
+    assert groups.mode == "process-group" and not groups.enabled
+    assert groups.describe()["fallback"] == "cgroup1 could not be prepared: Permission denied"
+    # An explicit root is never a silent fallback.
+    monkeypatch.setattr(cgroups, "gather_and_choose", lambda *args: Plan("cgroup2", v2_root="/x"))
+    with pytest.raises(ValueError, match="Permission denied"):
+        cgroups.detect("auto", "/x", tmp_path)
+
+
 def test_cgroups_module_imports_only_the_standard_library():
     code = (
         "import sys, json\n"

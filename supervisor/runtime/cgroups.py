@@ -206,6 +206,8 @@ class Plan:
     memory_max: int | None = None  # what is enforced, None: not
     pids_max: int | None = None
     problem: str | None = None
+    # Why an automatic choice ended in process-group after all (its preparation failed).
+    fallback: str | None = None
 
 
 def choose_plan(
@@ -568,7 +570,10 @@ class Cgroups:
     def describe(self) -> dict[str, object]:
         """The mode and the limits enforced, for the start log and /healthz."""
         root = self.plan.v2_root if self.plan.v2_root is not None else self._v1_bases.get(V1_FREEZER)
-        return {"mode": self.mode, "root": root, "memory_max": self.memory_max, "pids_max": self.pids_max}
+        described: dict[str, object] = {"mode": self.mode, "root": root, "memory_max": self.memory_max, "pids_max": self.pids_max}
+        if self.plan.fallback is not None:
+            described["fallback"] = self.plan.fallback
+        return described
 
     def prepare(self) -> None:
         """Move the daemon into its leaf when needed, enable the limit controllers, create
@@ -696,5 +701,6 @@ def detect(
     except OSError as exc:
         if explicit_root is not None:
             raise ValueError(f"{explicit_root}: {exc.strerror or exc}") from None
-        return Cgroups(Plan(MODE_PROCESS_GROUP), state_dir, memory_max, pids_max)
+        fallback = f"{plan.mode} could not be prepared: {exc.strerror or exc}"
+        return Cgroups(Plan(MODE_PROCESS_GROUP, fallback=fallback), state_dir, memory_max, pids_max)
     return cgroups
