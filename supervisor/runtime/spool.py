@@ -45,7 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox_supervisor.protocol.fields import STREAMS, UUID_PATTERN
+from sandbox_supervisor.protocol.plain import STREAMS, UUID_PATTERN
 
 __all__ = [
     "SpoolNotFound",
