@@ -26,6 +26,7 @@ from sandbox_supervisor.daemon.runtime.holder_launch import HolderLaunchError, l
 from sandbox_supervisor.daemon.runtime.holder_protocol import (
     CONTROL_SOCKET,
     EXIT_FILE,
+    MAX_LINE_BYTES,
     EndedEvent,
     ExitedEvent,
     ExitRecord,
@@ -118,6 +119,19 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def processes_naming(directory: Path) -> list[int]:
+    """Live (non-zombie) processes with `directory` in their command line: a holder's."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(directory).encode() in (entry / "cmdline").read_bytes() and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
 
 
 class Control:
@@ -294,6 +308,23 @@ def test_a_spawn_failure_is_a_typed_error_and_nothing_ran(holder_dir):
     with pytest.raises(HolderLaunchError) as twice:
         launch_holder(other, spec(["true"]))
     assert twice.value.code == "holder_exists"
+
+
+def test_a_spec_the_holder_refuses_is_a_typed_error(holder_dir):
+    directory = holder_dir()
+    with pytest.raises(HolderLaunchError) as refused:
+        launch_holder(directory, spec([]))
+    assert refused.value.code == "bad_spec" and "argv" in refused.value.message
+
+
+def test_a_launch_past_its_deadline_is_abandoned_and_its_holder_killed(holder_dir):
+    directory = holder_dir()
+    with pytest.raises(HolderLaunchError) as late:
+        launch_holder(directory, spec(["sleep", "30"], stdin="null"), timeout_s=0.001)
+    assert late.value.code == "holder_timeout"
+    # The holder was in the starter's group, killed with it: nothing can start later.
+    wait_until(lambda: not processes_naming(directory), "the starter and its holder to be gone")
+    assert not (directory / "holder.json").exists()
 
 
 # --- stdin ---------------------------------------------------------------------------------
@@ -523,6 +554,19 @@ def test_bad_requests_get_typed_errors_and_the_connection_goes_on(holder_dir):
         null_stdin = control.request(encode_stdin(0, b"x"))
         assert (null_stdin.ok, null_stdin.code) == (False, "stdin_closed")
         assert control.request(encode_terminate()).ok
+
+
+def test_a_line_over_the_limit_is_answered_then_the_connection_is_closed(holder_dir):
+    directory = holder_dir()
+    launch_holder(directory, spec(["sleep", "30"], stdin="null"))
+    with Control(directory) as control:
+        reply = control.request(b"x" * (MAX_LINE_BYTES + 1))
+        assert (reply.ok, reply.code) == (False, "line_too_long")
+        with pytest.raises(EOFError):
+            control.until(lambda m: False)
+    with Control(directory) as control:  # the holder itself goes on
+        assert control.request(encode_terminate()).ok
+    assert wait_for_exit(directory).signal == "SIGTERM"
 
 
 # --- identity, OOM score, cgroup -------------------------------------------------------------

@@ -21,11 +21,27 @@ second (the holder) has written holder.json, then exits 0 (1 if there is no hold
 the launcher learns the outcome from an exit status rather than by polling, and the holder,
 reparented away from the daemon, never becomes a zombie the daemon must reap.
 
-Measured on the development machine (2 cores, Python 3.11, see
-tests/test_holder.py::test_launch_latency_and_rss_are_reported): launch to holder.json for
-`true` ≈ 40 ms, to the first byte of `echo hi` in the spool ≈ 40 ms (the interpreter's start
-dominates: ~25 ms of it is `python -I` itself); a holder's RSS ≈ 10 MiB (shared pages
-included; its private memory is a small part of that).
+Where this differs from (or adds to) the shared design of issue 10:
+- spec.json may say `"stdin": "null"` (today's execute_shell_command: /dev/null as stdin);
+  the default, `"pipe"`, is the design's.
+- `output` events carry `kept` (bytes in the file) beside `total` (bytes written): they
+  differ once the cap is hit. The `signal` reply says `delivered`; `close_stdin` answers `next`.
+- A `modules` request (diagnostics: the modules loaded), so a test can check the import rule
+  in a real holder.
+- `exit_code` is null when a signal ended the process (`signal` names it), as in a tool result.
+- With a uid and `groups: null`, the supplementary groups are emptied rather than kept: the
+  holder's are root's.
+- `close_stdin` on a terminal writes the EOF character (there is no descriptor to close).
+- The timeout ends the process (and its group); once the process has exited, descendants
+  holding the pipes are left to `terminate`, as today's lingering groups are.
+- The holder is in the session its starter created (not its leader): outside the daemon's
+  session and group, and unable to acquire a controlling terminal.
+- control.sock is unlinked as the holder exits (no socket + exit.json = ended).
+
+Measured (`bench/run.py --only holder_launch`, 2 shared cores, Python 3.11): launch to
+holder.json for `true` ≈ 45 ms median against ≈ 23 ms for a bare `python -I -c pass`; to
+`hi` of `echo hi` in the spool ≈ 45 ms; a holder's VmRSS ≈ 11.6 MiB, 7.1 MiB of it private.
+The interpreter's start dominates; docs/internals.md, "Measured", has the details.
 """
 
 from __future__ import annotations
@@ -42,9 +58,8 @@ import struct
 import sys
 import termios
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 from sandbox_supervisor.daemon.runtime.holder_protocol import (
     BAD_SPEC,
@@ -126,8 +141,7 @@ class SpawnError(Exception):
         self.errno = code
 
 
-@dataclass(slots=True)
-class Stdio:
+class Stdio(NamedTuple):
     """The child's ends (closed in the holder after the fork) and the holder's ends."""
 
     child_stdin: int | None  # None: /dev/null
@@ -724,7 +738,8 @@ def main(argv: list[str]) -> int:
         os.close(ready_w)
         while os.read(ready_r, 1):
             pass
-        return 0 if (directory / HOLDER_FILE).exists() else 1
+        # _exit: the interpreter's own shutdown would only delay the launcher.
+        os._exit(0 if (directory / HOLDER_FILE).exists() else 1)
     os.close(ready_r)
     return run_holder(directory, ready_w)
 
