@@ -138,3 +138,22 @@ def test_a_line_that_is_neither_reply_nor_event_is_a_protocol_error(line):
 
 def test_the_control_socket_path_fits_sun_path_whatever_the_directory():
     assert len(hp.control_socket_path(1_000_000).encode()) < 108
+
+
+@given(st.binary(max_size=200) | st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=5), lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["ok", "ev", "code", "message", "stream", "total", "kept", "exit_code", "signal", "timed_out", "oom_killed", "duration_ms", "ended_at"]), inner, max_size=8)).map(lambda doc: json.dumps(doc).encode()))
+def test_decode_message_raises_only_its_typed_error(line):
+    try:
+        decode_message(line)
+    except HolderProtocolError:
+        pass
+
+
+@pytest.mark.parametrize("parse, error", [(parse_request, RequestError), (decode_message, HolderProtocolError)])
+def test_json_nested_past_the_stack_is_a_typed_error(parse, error):
+    with pytest.raises(error):
+        parse(b"[" * 200_000)
+
+
+def test_an_exit_record_with_an_infinite_duration_is_a_protocol_error():
+    with pytest.raises(HolderProtocolError):
+        decode_message(b'{"ev":"exited","exit_code":0,"signal":null,"timed_out":false,"oom_killed":null,"duration_ms":1e999,"ended_at":"x"}')

@@ -66,6 +66,7 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     CONTROL_SOCKET,
     EXIT_FILE,
     HOLDER_FILE,
+    HOLDER_ERROR,
     HOLDER_FAILED,
     LINE_TOO_LONG,
     NOT_A_TERMINAL,
@@ -283,6 +284,7 @@ class Holder:
         self.kill_at: float | None = None
         self.timed_out = False
         self.exit: ExitRecord | None = None
+        self.exit_recorded = False
         self.client: Client | None = None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 
@@ -385,12 +387,22 @@ class Holder:
             duration_ms=round((time.monotonic() - self.started) * 1000),
             ended_at=_now_iso(),
         )
-        write_json_atomic(self.directory / EXIT_FILE, self.exit.to_json(), durable=True)
+        self._record_exit()
         # Its stdin ends with it (a background descendant reading it gets end-of-file).
         self.stdin.reader_gone()
         self._close_stdin_fd()
         if self.pty_master is not None and "stdout" not in self.outputs:
             self._close_terminal()  # its end was read while the process was exiting
+
+    def _record_exit(self) -> None:
+        """exit.json; a disk that refuses it (ENOSPC …) does not stop the holder: the client
+        still gets `exited`, and the write is tried again as the holder ends."""
+        assert self.exit is not None
+        try:
+            write_json_atomic(self.directory / EXIT_FILE, self.exit.to_json(), durable=True)
+            self.exit_recorded = True
+        except OSError:
+            self.exit_recorded = False
 
     def _oom_killed(self) -> bool | None:
         if self.spec.cgroup is None:
@@ -614,6 +626,10 @@ class Holder:
             return self._handle(request)
         except RequestError as exc:
             return reply_error(exc.code, exc.message)
+        except Exception as exc:
+            # A failure on one request must not end the holder: the process would lose the
+            # reader of its output and the record of its exit.
+            return reply_error(HOLDER_ERROR, f"{type(exc).__name__}: {exc}")
 
     def _handle(self, request: Request) -> bytes:
         if request.op == "watch":
@@ -681,6 +697,8 @@ class Holder:
         """Every stream ended and exit.json is written: tell the client, then go."""
         for writer in self.writers.values():
             writer.close()
+        if not self.exit_recorded:
+            self._record_exit()
         self._queue_events()
         if self.client is not None and self.client.watching:
             self.client.queue += event_ended()

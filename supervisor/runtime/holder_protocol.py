@@ -101,6 +101,7 @@ STDIN_GAP = "stdin_gap"
 STDIN_CLOSED = "stdin_closed"
 NOT_RUNNING = "not_running"
 NOT_A_TERMINAL = "not_a_terminal"
+HOLDER_ERROR = "holder_error"  # the holder failed on this request (a bug); it goes on
 # holder.json error codes: the holder could not start the process (nothing ran).
 SPAWN_FAILED = "spawn_failed"
 BAD_SPEC = "bad_spec"
@@ -301,7 +302,7 @@ class ExitRecord(NamedTuple):
                 duration_ms=int(document["duration_ms"]),
                 ended_at=str(document["ended_at"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise HolderProtocolError(f"malformed exit record: {exc}") from None
         return record
 
@@ -478,7 +479,7 @@ def parse_request(line: bytes) -> Request:
     """One request line; RequestError (`bad_request`, `unknown_op`) when it is not one."""
     try:
         document = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past the C stack
         raise RequestError(BAD_REQUEST, "not JSON") from None
     if not isinstance(document, dict):
         raise RequestError(BAD_REQUEST, "a request is a JSON object")
@@ -574,7 +575,7 @@ def decode_message(line: bytes) -> Message:
     """One line from a holder; HolderProtocolError when it is not a reply or an event."""
     try:
         document = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: "[[[[…" nested past the C stack
         raise HolderProtocolError("not JSON") from None
     if not isinstance(document, dict):
         raise HolderProtocolError("not a JSON object")
