@@ -630,6 +630,20 @@ def test_the_process_is_put_in_the_spec_cgroup_before_exec(holder_dir, cgroup2):
     assert record.signal == "SIGTERM"
 
 
+def test_signals_reach_descendants_that_left_the_group_through_the_cgroup(holder_dir, cgroup2):
+    directory = holder_dir()
+    # The escaped sleep leads a session of its own: killpg of the command's group misses it.
+    launch_holder(directory, sh("setsid sleep 30 & echo $!; exec sleep 30", stdin="null", cgroup=str(cgroup2)))
+    wait_until(lambda: spool_text(directory).strip().isdigit(), "the escaped pid")
+    escaped = int(spool_text(directory))
+    assert os.getsid(escaped) == escaped and alive(escaped)
+    with Control(directory) as control:
+        assert control.request(encode_signal("SIGTERM")).fields["delivered"] is True
+        wait_for_exit(directory)
+    wait_until(lambda: not alive(escaped), "the escaped process to be signalled")
+    wait_for_end(directory)  # its end closed the last copy of stdout
+
+
 def test_a_cgroup_the_holder_cannot_enter_fails_the_spawn(holder_dir, tmp_path):
     directory = holder_dir()
     with pytest.raises(HolderLaunchError) as failed:
