@@ -29,11 +29,11 @@ import json
 import math
 import os
 import signal
-import tempfile
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
+from sandbox_supervisor.daemon.runtime.spool import temporary_beside
 from sandbox_supervisor.protocol.plain import STREAMS, Stream
 
 __all__ = [
@@ -313,7 +313,7 @@ def write_json_atomic(path: Path, document: dict[str, Any], *, durable: bool = F
     `durable`: fsync the file before the rename and the directory after, so the record
     survives a power loss once this returns (exit.json: an exit status is reported once).
     """
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, temporary = temporary_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(document, handle, sort_keys=True)

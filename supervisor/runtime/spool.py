@@ -40,8 +40,6 @@ import errno
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -112,6 +110,8 @@ def stream_path(state_dir: str | os.PathLike[str], call_id: str, stream: str) ->
 
 def remove_spool(state_dir: str | os.PathLike[str], call_id: str) -> None:
     """Delete a call's spool (when its session ends or the disk cap needs room). Idempotent."""
+    import shutil  # here, not at the top: the per-process holder imports this module
+
     shutil.rmtree(spool_dir(state_dir, call_id), ignore_errors=True)
 
 
@@ -119,10 +119,23 @@ def _state_path(path: Path) -> Path:
     return path.with_name(path.name + STATE_SUFFIX)
 
 
+def temporary_beside(target: Path) -> tuple[int, Path]:
+    """A new file (0600, opened for writing) next to `target`, to be renamed over it: what
+    tempfile.mkstemp makes, without importing tempfile and random, which would cost the
+    per-process holder 0.8 MiB of private memory and a few milliseconds of every start."""
+    while True:
+        candidate = target.with_name(f".{target.name}.{os.urandom(6).hex()}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            return os.open(candidate, flags, _FILE_MODE), candidate
+        except FileExistsError:
+            continue
+
+
 def _write_state(path: Path, state: StreamState) -> None:
     """Replace the state sidecar atomically: a reader sees the old state or the new one."""
     target = _state_path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, temporary = temporary_beside(target)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(state.to_json())
