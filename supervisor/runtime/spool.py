@@ -58,6 +58,7 @@ __all__ = [
     "spool_usage",
     "spool_dir",
     "stream_path",
+    "temporary_beside",
 ]
 
 SPOOL_DIRECTORY = "spool"
