@@ -300,7 +300,7 @@ def test_a_spawn_failure_is_a_typed_error_and_nothing_ran(holder_dir):
     with pytest.raises(HolderLaunchError) as missing:
         launch_holder(directory, spec(["/nonexistent/program"]))
     assert missing.value.code == "spawn_failed" and "exec" in missing.value.message
-    assert not (directory / EXIT_FILE).exists()
+    assert not (directory / EXIT_FILE).exists() and not (directory / CONTROL_SOCKET).exists()
     other = holder_dir()
     with pytest.raises(HolderLaunchError) as bad_cwd:
         launch_holder(other, spec(["true"], cwd="/nonexistent-directory"))

@@ -314,6 +314,8 @@ class Holder:
             for fd in [*stdio.outputs.values(), stdio.stdin]:
                 if fd is not None:
                     os.close(fd)
+            self.listener.close()
+            os.unlink(CONTROL_SOCKET)  # nothing runs: no socket to suggest otherwise
             raise
         if self.spec.timeout_s is not None:
             self.timeout_at = self.started + self.spec.timeout_s
