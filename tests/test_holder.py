@@ -317,6 +317,14 @@ def test_a_spec_the_holder_refuses_is_a_typed_error(holder_dir):
     assert refused.value.code == "bad_spec" and "argv" in refused.value.message
 
 
+def test_a_directory_that_cannot_be_written_is_a_typed_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(HolderLaunchError) as failed:
+        launch_holder(blocker / "spool", spec(["true"]))  # a path through a regular file
+    assert failed.value.code == "holder_failed"
+
+
 def test_a_launch_past_its_deadline_is_abandoned_and_its_holder_killed(holder_dir):
     directory = holder_dir()
     with pytest.raises(HolderLaunchError) as late:

@@ -89,16 +89,19 @@ def launch_holder(
     narrow case where the process had already started).
     """
     directory = Path(directory).resolve()
-    _write_spec(directory, spec)
-    starter = subprocess.Popen(
-        [sys.executable, "-I", "-m", HOLDER_MODULE, str(directory)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        close_fds=True,
-        start_new_session=True,  # not in the daemon's session or group: a stop's signals miss it
-        cwd="/",
-    )
+    try:
+        _write_spec(directory, spec)
+        starter = subprocess.Popen(
+            [sys.executable, "-I", "-m", HOLDER_MODULE, str(directory)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            start_new_session=True,  # not in the daemon's session or group: a stop's signals miss it
+            cwd="/",
+        )
+    except OSError as exc:  # the directory cannot be written, no fork (EAGAIN, ENOMEM) …
+        raise HolderLaunchError(HOLDER_FAILED, f"cannot start a holder in {directory}: {exc}") from None
     try:
         status = _wait(starter, timeout_s)
     except subprocess.TimeoutExpired:
