@@ -40,6 +40,7 @@ MODULES = [
     "bench.big_output",
     "bench.replay",
     "bench.idle_rss",
+    "bench.holder_launch",
 ]
 
 

@@ -11,6 +11,11 @@ from typing import Annotated, Any, Literal, TypeGuard, get_args
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from sandbox_supervisor.protocol.headers import ID_PATTERN, MAX_SAFE_INTEGER
+# Defined in plain.py (stdlib only, for code that must not import pydantic), re-exported here
+# so that the rest of the protocol keeps importing its fields from one module.
+from sandbox_supervisor.protocol.plain import STREAMS as STREAMS
+from sandbox_supervisor.protocol.plain import UUID_PATTERN as UUID_PATTERN
+from sandbox_supervisor.protocol.plain import Stream as Stream
 
 
 class StrictModel(BaseModel):
@@ -31,10 +36,6 @@ def optional_field() -> Any:
     return Field(default=None, exclude_if=_is_none)
 
 
-# Canonical RFC 4122 text form. Other spellings uuid.UUID accepts ("{…}", "urn:uuid:…", no
-# hyphens) are refused so that a call_id has exactly one textual form: it is kept as given
-# and compared as text (idempotency records, exec.signal lookups).
-UUID_PATTERN = r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
 ENV_NAME_PATTERN = r"^[A-Z_][A-Z0-9_]*$"
 MAX_ENV_ENTRIES = 64
 # Longest path accepted anywhere in the protocol (Linux PATH_MAX).
@@ -64,10 +65,6 @@ def is_scope(value: str) -> TypeGuard[Scope]:
     return value in get_args(Scope)
 
 
-Stream = Literal["stdout", "stderr"]
-# A command's output streams, in the order results and the spool list them; derived from
-# `Stream` so that the type and the iteration can never disagree.
-STREAMS: tuple[Stream, ...] = get_args(Stream)
 
 
 # A NUL cannot reach the OS (paths, argv, environ); refusing it in the schema turns a later

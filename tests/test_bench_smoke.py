@@ -23,6 +23,7 @@ BENCHMARKS = {
     "big_output",
     "replay",
     "idle_rss",
+    "holder_launch",
 }
 REPORT_LINE = re.compile(
     r"^BENCH (?P<name>\S+) .* \| ratio (?P<ratio>\d+(\.\d+)?)x \| target (<=|>=) [^|]+ \| (PASS|MISS)\b"
