@@ -11,6 +11,11 @@ exits when its stdin closes. Every message is text; its first character is the o
                   write, fsync, close, rename, fsync of the directory), then answer "W"
     P<json>       {"db": path, "after": seq}: read `seq, frame_json` of the events table in
                   seq order with one SELECT and send every frame_json as its own message
+    S<command>    `trio.run_process(["bash", "-c", command])` with its stdout captured, then
+                  answer with that output: a process spawned and its first output read
+    T<line>       write <line> to `cat` on a terminal (started on first use) and answer with
+                  what the terminal gives back once it holds two line ends (the terminal's
+                  echo of the line, and cat's copy of it)
 
 It deliberately imports nothing from the project: it is the baseline, not the subject.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import subprocess
 import sys
 
 import trio
@@ -35,6 +41,21 @@ class Floor:
     def __init__(self) -> None:
         self.files: dict[str, bytearray] = {}
         self.databases: dict[str, sqlite3.Connection] = {}
+        self.terminal: int | None = None  # the master side of cat's terminal
+
+    async def terminal_echo(self, line: bytes) -> str:
+        if self.terminal is None:
+            master, slave = os.openpty()
+            subprocess.Popen(["cat"], stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+            os.close(slave)
+            os.set_blocking(master, False)
+            self.terminal = master
+        os.write(self.terminal, line)
+        got = b""
+        while got.count(b"\n") < 2:
+            await trio.lowlevel.wait_readable(self.terminal)
+            got += os.read(self.terminal, 65536)
+        return got.decode(errors="replace")
 
     async def handle(self, request: trio_websocket.WebSocketRequest) -> None:
         ws = await request.accept()
@@ -55,6 +76,11 @@ class Floor:
             elif op == "P":
                 spec = json.loads(message[1:])
                 await self.replay(ws, spec["db"], spec["after"])
+            elif op == "S":
+                done = await trio.run_process(["bash", "-c", message[1:]], capture_stdout=True)
+                await ws.send_message(done.stdout.decode(errors="replace"))
+            elif op == "T":
+                await ws.send_message(await self.terminal_echo(message[1:].encode()))
             else:
                 await ws.send_message("?")
 

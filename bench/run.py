@@ -41,6 +41,8 @@ MODULES = [
     "bench.replay",
     "bench.idle_rss",
     "bench.holder_launch",
+    "bench.stdin_pty",
+    "bench.process_start",
 ]
 
 

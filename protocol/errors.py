@@ -17,6 +17,7 @@ GENERATION_MISMATCH = "generation_mismatch"
 ACK_AHEAD = "ack_ahead"
 UNKNOWN_CALL = "unknown_call"
 NOT_RUNNING = "not_running"
+NOT_A_TERMINAL = "not_a_terminal"
 INVALID_PARAMETERS = "invalid_parameters"
 PATH_OUTSIDE_WORKSPACE = "path_outside_workspace"
 NOT_FOUND = "not_found"
@@ -161,18 +162,21 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
     ),
     ACK_AHEAD: "events.ack above the highest journaled seq; the floor is unchanged.",
     FORBIDDEN: (
-        "exec.signal or exec.read_output on a connection without the shell:exec scope; "
+        "exec.* frames on a connection without the shell:exec scope; "
         "events.ack, or a session.bootstrap that would bind or rebind the session, on a "
         "connection without the session:control scope (nothing changed)."
     ),
     UNKNOWN_CALL: (
-        "exec.signal or exec.read_output for a call_id without a spool directory: no command "
-        "was attempted under it, or its spool was pruned."
+        "An exec.* frame for a call_id without a spool directory (no command or process was "
+        "attempted under it, or its spool was pruned), or for a process the socket may not see."
     ),
     NOT_RUNNING: (
         "exec.signal for a command whose shell has exited, that ran under an earlier daemon "
-        "process, or that failed to start."
+        "process, or that failed to start; exec.signal, exec.write_stdin, exec.close_stdin or "
+        "exec.resize for a process that has ended, or exec.write_stdin/exec.close_stdin/"
+        "exec.resize for an execute_shell_command command (its stdin is /dev/null)."
     ),
+    NOT_A_TERMINAL: "exec.resize for a process started without a pty.",
     INTERNAL: (
         "The state database refused to record a call (nothing ran), its result (the message "
         "says whether to retry with the same key), or an events.ack (send it again)."

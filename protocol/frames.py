@@ -11,6 +11,8 @@ for frames that already failed.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal, TypeVar
@@ -23,6 +25,7 @@ from pydantic import (
     StringConstraints,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -40,7 +43,7 @@ from sandbox_supervisor.protocol.fields import (
     StrictModel,
     optional_field,
 )
-from sandbox_supervisor.protocol.tools import ShellResult, is_call_id
+from sandbox_supervisor.protocol.tools import MAX_PTY_CELLS, ShellResult, is_call_id
 
 # --- kinds ---
 # Final, so each is also its Literal type: a frame model's `kind` default is the constant.
@@ -49,13 +52,31 @@ TOOL_CALL: Final = "tool.call"
 EVENTS_ACK: Final = "events.ack"
 EXEC_SIGNAL: Final = "exec.signal"
 EXEC_READ_OUTPUT: Final = "exec.read_output"
-CLIENT_KINDS = frozenset({SESSION_BOOTSTRAP, TOOL_CALL, EVENTS_ACK, EXEC_SIGNAL, EXEC_READ_OUTPUT})
+EXEC_WRITE_STDIN: Final = "exec.write_stdin"
+EXEC_CLOSE_STDIN: Final = "exec.close_stdin"
+EXEC_RESIZE: Final = "exec.resize"
+EXEC_LIST: Final = "exec.list"
+CLIENT_KINDS = frozenset(
+    {
+        SESSION_BOOTSTRAP,
+        TOOL_CALL,
+        EVENTS_ACK,
+        EXEC_SIGNAL,
+        EXEC_READ_OUTPUT,
+        EXEC_WRITE_STDIN,
+        EXEC_CLOSE_STDIN,
+        EXEC_RESIZE,
+        EXEC_LIST,
+    }
+)
 
 RUNTIME_STATE: Final = "runtime.state"
 SESSION_BOOTSTRAP_REJECTED: Final = "session.bootstrap.rejected"
 TOOL_PENDING: Final = "tool.pending"
 TOOL_REPLAYED: Final = "tool.replayed"
 EXEC_OUTPUT_PAGE: Final = "exec.output_page"
+EXEC_STDIN_ACK: Final = "exec.stdin_ack"
+EXEC_PROCESSES: Final = "exec.processes"
 ERROR: Final = "error"
 EXEC_STARTED: Final = "exec.started"
 EXEC_OUTPUT: Final = "exec.output"
@@ -72,6 +93,8 @@ SERVER_KINDS = frozenset(
         TOOL_PENDING,
         TOOL_REPLAYED,
         EXEC_OUTPUT_PAGE,
+        EXEC_STDIN_ACK,
+        EXEC_PROCESSES,
         ERROR,
         EVENT_WITHHELD,
         *EVENT_KINDS,
@@ -85,6 +108,9 @@ STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced genera
 
 # --- limits ---
 MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length (§6.3)
+# exec.write_stdin: bytes per frame, and the base64 text that carries at most that many.
+MAX_STDIN_WRITE_BYTES = 65536
+MAX_STDIN_WRITE_CHARS = 4 * -(-MAX_STDIN_WRITE_BYTES // 3)
 # FrameError.kind / .reason are for logs: cap what the peer can put there.
 MAX_LOGGED_NAME_CHARS = 64
 MAX_REASON_CHARS = 200
@@ -110,6 +136,40 @@ class ExecReadOutputBody(StrictModel):
     stream: Stream
     offset: Count
     length: Annotated[int, Field(ge=1, le=MAX_OUTPUT_PAGE_LENGTH)]
+
+
+class ExecWriteStdinBody(StrictModel):
+    call_id: CallId
+    offset: Count  # the stdin offset of data's first byte (§7.7.2)
+    data: Annotated[str, StringConstraints(max_length=MAX_STDIN_WRITE_CHARS, pattern=BASE64_PATTERN)]
+
+    @field_validator("data")
+    @classmethod
+    def _decodable(cls, value: str) -> str:
+        # The pattern admits text no decoder takes ("A": bad padding): refused here, as a
+        # frame that does not match its schema, not later as an exception.
+        try:
+            decoded = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("data is not base64") from None
+        if len(decoded) > MAX_STDIN_WRITE_BYTES:
+            raise ValueError(f"data is over {MAX_STDIN_WRITE_BYTES} bytes")
+        return value
+
+
+class ExecCloseStdinBody(StrictModel):
+    call_id: CallId
+    offset: Count  # every byte below it must have been written: EOF comes after them
+
+
+class ExecResizeBody(StrictModel):
+    call_id: CallId
+    rows: Annotated[int, Field(ge=1, le=MAX_PTY_CELLS)]
+    cols: Annotated[int, Field(ge=1, le=MAX_PTY_CELLS)]
+
+
+class ExecListBody(StrictModel):
+    pass
 
 
 class SessionBootstrapFrame(StrictModel):
@@ -144,9 +204,41 @@ class ExecReadOutputFrame(StrictModel):
     body: ExecReadOutputBody
 
 
-ClientFrameModel = (
-    SessionBootstrapFrame | ToolCallFrame | EventsAckFrame | ExecSignalFrame | ExecReadOutputFrame
+class ExecWriteStdinFrame(StrictModel):
+    kind: Literal["exec.write_stdin"]
+    connectionGeneration: Generation
+    body: ExecWriteStdinBody
+
+
+class ExecCloseStdinFrame(StrictModel):
+    kind: Literal["exec.close_stdin"]
+    connectionGeneration: Generation
+    body: ExecCloseStdinBody
+
+
+class ExecResizeFrame(StrictModel):
+    kind: Literal["exec.resize"]
+    connectionGeneration: Generation
+    body: ExecResizeBody
+
+
+class ExecListFrame(StrictModel):
+    kind: Literal["exec.list"]
+    connectionGeneration: Generation
+    body: ExecListBody
+
+
+# The exec.* frames that act on or read about processes (the runtime answers them).
+ExecFrame = (
+    ExecSignalFrame
+    | ExecReadOutputFrame
+    | ExecWriteStdinFrame
+    | ExecCloseStdinFrame
+    | ExecResizeFrame
+    | ExecListFrame
 )
+
+ClientFrameModel = SessionBootstrapFrame | ToolCallFrame | EventsAckFrame | ExecFrame
 ClientFrame = Annotated[ClientFrameModel, Field(discriminator="kind")]
 
 # =============================== server frames ===============================
@@ -223,6 +315,52 @@ class ExecOutputPageBody(StrictModel):
 class ExecOutputPageFrame(ServerFrameBase):
     kind: Literal["exec.output_page"] = EXEC_OUTPUT_PAGE
     body: ExecOutputPageBody
+
+
+class ExecStdinAckBody(StrictModel):
+    """The answer to exec.write_stdin and exec.close_stdin (§7.7.2)."""
+
+    call_id: CallId
+    offset: Count  # the request's offset
+    # The stdin offset after every byte taken (written, or buffered for the process): below `offset` a gap
+    # (nothing written: send from here), below offset + the data's length a partial write
+    # (the rest was not taken yet: send it again from here).
+    next_offset: Count
+    closed: bool  # stdin has been closed (EOF)
+
+
+class ExecStdinAckFrame(ServerFrameBase):
+    kind: Literal["exec.stdin_ack"] = EXEC_STDIN_ACK
+    body: ExecStdinAckBody
+
+
+class ProcessExit(StrictModel):
+    exit_code: int | None
+    signal: str | None
+    timed_out: bool
+
+
+class ProcessInfo(StrictModel):
+    """One process of the session in exec.processes (§7.7.4)."""
+
+    call_id: CallId
+    tool_name: str
+    command: str
+    pid: Annotated[int, Field(ge=1)]
+    pgid: Annotated[int, Field(ge=1)]
+    pty: bool
+    started_at: float
+    running: bool
+    exit: ProcessExit | None  # null while running
+
+
+class ExecProcessesBody(StrictModel):
+    processes: list[ProcessInfo]
+
+
+class ExecProcessesFrame(ServerFrameBase):
+    kind: Literal["exec.processes"] = EXEC_PROCESSES
+    body: ExecProcessesBody
 
 
 # --- journaled events (docs/protocol.md §6.6) ---
@@ -362,6 +500,8 @@ ServerFrameModel = (
     | ToolPendingFrame
     | ToolReplayedFrame
     | ExecOutputPageFrame
+    | ExecStdinAckFrame
+    | ExecProcessesFrame
     | ErrorFrame
     | ExecStartedEvent
     | ExecOutputEvent

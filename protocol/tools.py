@@ -45,6 +45,10 @@ __all__ = [
     "ApplyFilePatchParams",
     "ExecuteShellCommandCall",
     "ExecuteShellCommandParams",
+    "ProcessStarted",
+    "PtyRequest",
+    "StartProcessCall",
+    "StartProcessParams",
     "ReadFileCall",
     "ReadFileParams",
     "ToolCall",
@@ -55,7 +59,7 @@ __all__ = [
     "parse_tool_call",
 ]
 
-ToolName = Literal["apply_file_patch", "execute_shell_command", "read_file"]
+ToolName = Literal["apply_file_patch", "execute_shell_command", "read_file", "start_process"]
 TOOL_NAMES: tuple[ToolName, ...] = get_args(ToolName)
 
 MAX_COMMAND_CHARS = 16384
@@ -63,6 +67,14 @@ MIN_TIMEOUT_MS = 1
 MAX_TIMEOUT_MS = 60000
 DEFAULT_TIMEOUT_MS = 30000
 MAX_READ_LENGTH = 65536
+# start_process: no 60 s cap (a dev server runs for hours); a timeout, when given, is capped
+# by what a JSON number holds exactly. The daemon's exec.process_max_timeout_ms may lower it.
+MAX_PROCESS_TIMEOUT_MS = 2**53 - 1
+# A terminal's size in character cells: ioctl(TIOCSWINSZ) takes 16-bit values; beyond a few
+# thousand no terminal exists, and a bound keeps a hostile size from costing anything.
+MAX_PTY_CELLS = 4096
+# TERM names a terminfo entry: a short name of this alphabet, never a path or a shell word.
+TERM_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$"
 # A git blob SHA-1 in lower-case hex (what `git hash-object` prints).
 GIT_SHA_PATTERN = r"^[0-9a-f]{40}$"
 # ToolCallError.tool_name echoes what the caller sent (into a journaled tool.result); cap it
@@ -93,6 +105,28 @@ class ExecuteShellCommandParams(StrictModel):
     # Relative to agent.cwd, in the same jail as apply_file_patch paths.
     cwd: RelativePath | None = optional_field()
     env: EnvMap | None = optional_field()
+
+
+class PtySize(StrictModel):
+    rows: Annotated[int, Field(ge=1, le=MAX_PTY_CELLS)]
+    cols: Annotated[int, Field(ge=1, le=MAX_PTY_CELLS)]
+
+
+class PtyRequest(PtySize):
+    """A terminal for the process (docs/protocol.md §7.7.3): its size and `TERM`."""
+
+    term: Annotated[str, StringConstraints(pattern=TERM_PATTERN)] | None = optional_field()
+
+
+class StartProcessParams(StrictModel):
+    command: Annotated[
+        str, StringConstraints(min_length=1, max_length=MAX_COMMAND_CHARS, pattern=NO_NUL_PATTERN)
+    ]
+    # Absent: no timeout (the daemon's exec.process_max_timeout_ms, when set, applies).
+    timeout_ms: Annotated[int, Field(ge=MIN_TIMEOUT_MS, le=MAX_PROCESS_TIMEOUT_MS)] | None = optional_field()
+    cwd: RelativePath | None = optional_field()
+    env: EnvMap | None = optional_field()
+    pty: PtyRequest | None = optional_field()
 
 
 class ReadFileParams(StrictModel):
@@ -132,6 +166,16 @@ class PatchResult(StrictModel):
     bytes: Count
 
 
+class ProcessStarted(StrictModel):
+    """`start_process` result (docs/protocol.md §7.7.1): the process runs; its `call_id` is
+    its handle for every `exec.*` frame."""
+
+    pid: Annotated[int, Field(ge=1)]
+    pgid: Annotated[int, Field(ge=1)]
+    started_at: float  # Unix time in seconds
+    pty: bool
+
+
 class ReadFileResult(StrictModel):
     """`read_file` result (docs/protocol.md §7.3)."""
 
@@ -145,7 +189,7 @@ class ReadFileResult(StrictModel):
     eof: bool
 
 
-ToolParameters = ApplyFilePatchParams | ExecuteShellCommandParams | ReadFileParams
+ToolParameters = ApplyFilePatchParams | ExecuteShellCommandParams | ReadFileParams | StartProcessParams
 
 
 class ToolCall(StrictModel):
@@ -169,6 +213,12 @@ class ExecuteShellCommandCall(ToolCall):
     parameters: ExecuteShellCommandParams
 
 
+class StartProcessCall(ToolCall):
+    tool_name: Literal["start_process"]
+    idempotency_key: IdempotencyKey  # required: a process must never start twice
+    parameters: StartProcessParams
+
+
 class ReadFileCall(ToolCall):
     tool_name: Literal["read_file"]
     idempotency_key: IdempotencyKey | None = optional_field()  # optional, honoured when given
@@ -178,7 +228,7 @@ class ReadFileCall(ToolCall):
 # The discriminator makes `tool_name` pick the parameter schema; a body is never matched
 # against the other tools' schemas to see which one fits.
 ToolCallBody = Annotated[
-    ApplyFilePatchCall | ExecuteShellCommandCall | ReadFileCall, Field(discriminator="tool_name")
+    ApplyFilePatchCall | ExecuteShellCommandCall | ReadFileCall | StartProcessCall, Field(discriminator="tool_name")
 ]
 _TOOL_CALL_ADAPTER: TypeAdapter[ToolCall] = TypeAdapter(ToolCallBody)
 
@@ -202,6 +252,7 @@ TOOL_SPECS: tuple[ToolSpec, ...] = (
     ToolSpec("apply_file_patch", "files:write", ApplyFilePatchCall, ApplyFilePatchParams, PatchResult),
     ToolSpec("execute_shell_command", "shell:exec", ExecuteShellCommandCall, ExecuteShellCommandParams, ShellResult),
     ToolSpec("read_file", "files:read", ReadFileCall, ReadFileParams, ReadFileResult),
+    ToolSpec("start_process", "shell:exec", StartProcessCall, StartProcessParams, ProcessStarted),
 )
 TOOL_SCOPES: dict[str, Scope] = {spec.name: spec.scope for spec in TOOL_SPECS}
 

@@ -39,6 +39,7 @@ from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
 from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
 from sandbox_supervisor.daemon.runtime.service import Runtime
+from sandbox_supervisor.daemon.runtime.process_host import ProcessHost, launch_held
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
 from sandbox_supervisor.daemon.runtime.tool import ToolServices
 from sandbox_supervisor.daemon.runtime.registry import bind_tools
@@ -51,6 +52,7 @@ from sandbox_supervisor.daemon.status import (
     EXIT_CONFIG,
     EXIT_CRASH,
     EXIT_OK,
+    EXIT_RESTART,
     EXIT_TERMINATED,
     DaemonStatus,
     Lifecycle,
@@ -89,6 +91,7 @@ class Daemon:
     admission: UpgradeAdmission
     telemetry: Telemetry | None
     shell: ShellRuntime | None = None  # built once the daemon's nursery is open
+    processes: ProcessHost | None = None  # likewise
     runtime: Runtime | None = None
     sessions: SessionServices | None = None
     # agent.cwd, opened once for the file tools' jail (runtime/paths.py): at bootstrap, or
@@ -204,11 +207,22 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
         telemetry=daemon.telemetry,
         roots=roots,
     )
+    processes = ProcessHost(
+        shell,
+        daemon.store,
+        daemon.journal,
+        nursery,
+        launch_held,
+        max_timeout_ms=config.exec.process_max_timeout_ms,
+    )
+    shell.held_running = processes.running_count
+    shell.held_spools = processes.live_spools
     tools = bind_tools(
         ToolServices(
             store=daemon.store,
             file_write_lock=trio.Lock(),
             shell=shell,
+            processes=processes,
             max_file_bytes=config.files.max_file_bytes,
             file_owner=None if who is None else (who.uid, who.gid),
             roots=roots,
@@ -223,7 +237,11 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     status.on_bound = lambda body: roots.prepare(body.agent.cwd)
     calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry, roots=roots)
     daemon.shell = shell
-    daemon.runtime = Runtime(calls, shell)
+    daemon.processes = processes
+    daemon.runtime = Runtime(calls, shell, processes)
+    # Processes a previous instance left to their holders: followed again (or their end,
+    # if they ended meanwhile, reported) before anyone can connect.
+    processes.adopt_all()
     ws = config.websocket
     daemon.sessions = SessionServices(
         settings=SocketSettings(
@@ -259,11 +277,16 @@ def write_listening_file(state_dir: Path, bound: BoundListeners) -> None:
 
 
 async def _watch_signals(daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2) as signals:
         task_status.started()  # from here a SIGTERM is a graceful stop, not the default kill
         async for signum in signals:
             if signum == signal.SIGHUP:
                 daemon.keyring.reload(reason="sighup")
+            elif signum == signal.SIGUSR2:
+                # A restart that keeps processes (docs/operations.md): the daemon stops, its
+                # held processes keep running, and the next daemon adopts them.
+                log.info("supervisor.signal", signal="SIGUSR2", keep_processes=True)
+                daemon.request_stop(EXIT_RESTART, "SIGUSR2")
             else:
                 log.info("supervisor.signal", signal=signal.Signals(signum).name)
                 daemon.request_stop(EXIT_OK, signal.Signals(signum).name)
@@ -427,6 +450,10 @@ async def drain(daemon: Daemon) -> None:
     if status.lifecycle is Lifecycle.SERVING:
         status.lifecycle = Lifecycle.DRAINING
         daemon.notifier.notify("STOPPING=1", "STATUS=draining")
+    stop = status.stop
+    if daemon.processes is not None and not (stop is not None and stop.exit_code == EXIT_RESTART):
+        # A stop ends held processes too; a restart that keeps them leaves them to their holders.
+        await daemon.processes.stop_all()
     if daemon.shell is not None:
         await daemon.shell.stop_all()
         # The calls' own tasks journal exec.completed and tool.result once the shells

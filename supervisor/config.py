@@ -224,6 +224,9 @@ class ExecConfig(_Section):
     # (E2B runs `bash -l -c`). Never for a call whose assertion has allowed_commands: those
     # files are the agent's to write, and the guard never judged what is in them (§7.4.1).
     login_shell: bool = False
+    # start_process (docs/protocol.md §7.7): the longest timeout a process may ask for, and
+    # the one it gets when it asks for none. Unset: no limit (a dev server runs for hours).
+    process_max_timeout_ms: PositiveInt | None = None
     # Privilege separation (docs/operations.md): commands run as this user (a name or a uid),
     # with this group (default: the user's primary group) and exactly these supplementary
     # groups. Unset: commands run as the daemon's own user, as before.

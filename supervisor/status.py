@@ -16,9 +16,9 @@ import trio
 
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 
-from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_TERMINATED
+from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_CRASH, EXIT_OK, EXIT_RESTART, EXIT_TERMINATED
 
-__all__ = ["EXIT_CONFIG", "EXIT_CRASH", "EXIT_OK", "EXIT_TERMINATED", "DaemonStatus", "Lifecycle", "StopRequest"]
+__all__ = ["EXIT_CONFIG", "EXIT_CRASH", "EXIT_OK", "EXIT_RESTART", "EXIT_TERMINATED", "DaemonStatus", "Lifecycle", "StopRequest"]
 
 
 class Lifecycle(enum.Enum):

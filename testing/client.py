@@ -8,6 +8,7 @@ control plane in another language can read it as an executable description of th
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -66,6 +67,16 @@ class CallNotAnswered(Exception):
         self.code = body.get("code")
         self.message = body.get("message")
         self.retryable = keyed and self.code == errors.INTERNAL
+
+
+class ExecRefused(Exception):
+    """The daemon answered an exec.* frame with an `error` frame (unknown_call, not_running …)."""
+
+    def __init__(self, call_id: str, body: JsonObject) -> None:
+        super().__init__(f"error frame for {call_id}: {body}")
+        self.call_id = call_id
+        self.code = body.get("code")
+        self.message = body.get("message")
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,6 +421,38 @@ class ControlSession:
         if idempotency_key is not None:
             self.keys[call_id] = idempotency_key
         return call_id
+
+    # --- held processes (docs/protocol.md §7.7) -------------------------------------------
+
+    async def write_stdin(self, call_id: str, offset: int, data: bytes, timeout: float = 10.0) -> JsonObject:
+        """exec.write_stdin; the exec.stdin_ack body (`next_offset`: where to go on from).
+        Raises ExecRefused when the daemon answers with an `error` frame."""
+        body = {"call_id": call_id, "offset": offset, "data": base64.b64encode(data).decode("ascii")}
+        await self.send("exec.write_stdin", body)
+        return await self._stdin_answer(call_id, timeout)
+
+    async def close_stdin(self, call_id: str, offset: int, timeout: float = 10.0) -> JsonObject:
+        """exec.close_stdin once every byte below `offset` is written; the exec.stdin_ack body."""
+        await self.send("exec.close_stdin", {"call_id": call_id, "offset": offset})
+        return await self._stdin_answer(call_id, timeout)
+
+    async def _stdin_answer(self, call_id: str, timeout: float) -> JsonObject:
+        frame = await self.receive_until(
+            lambda f: f.get("kind") in ("exec.stdin_ack", "error") and _object(f.get("body", {}), "body").get("call_id") == call_id,
+            timeout,
+        )
+        body = _object(frame["body"], "a frame's body")
+        if frame["kind"] == "error":
+            raise ExecRefused(call_id, body)
+        return body
+
+    async def list_processes(self, timeout: float = 10.0) -> list[JsonObject]:
+        """exec.list; the processes of exec.processes."""
+        await self.send("exec.list", {})
+        frame = await self.receive_until(lambda f: f.get("kind") == "exec.processes", timeout)
+        processes = _object(frame["body"], "a frame's body").get("processes")
+        assert isinstance(processes, list)
+        return [_object(p, "a process") for p in processes]
 
     async def receive_until(
         self, predicate: Callable[[JsonObject], bool], timeout: float = 10.0

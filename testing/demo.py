@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import trio
 
@@ -102,6 +103,83 @@ async def run_shell_steps(n: Narrator, session: ControlSession) -> None:
     )
 
 
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def output_text(session: ControlSession, call_id: str) -> str:
+    return "".join(
+        f["body"]["text"] for _, f in sorted(session.client.state.events.items()) if is_output(f, call_id)
+    )
+
+
+async def wait_for_text(session: ControlSession, call_id: str, needle: str, after: int = 0) -> None:
+    with trio.fail_after(20):
+        while needle not in output_text(session, call_id)[after:]:
+            await session.receive()
+
+
+async def run_terminal_steps(n: Narrator, session: ControlSession) -> None:
+    """A terminal: an interactive shell on a PTY, typed into with offsets, resized."""
+    command = "PS1='$ ' exec bash --norc --noprofile -i"
+    call_id = await session.call(
+        "start_process", {"command": command, "pty": {"rows": 24, "cols": 80}}, idempotency_key="demo-pty"
+    )
+    started = await session.result(call_id)
+    n.say(f"start_process with a pty (24x80): an interactive bash, pid {started['result']['pid']}")
+    offset = 0
+    for line, needle in (("stty size\n", "24 80"), ("RESIZE", "40 120"), ("exit 0\n", None)):
+        if line == "RESIZE":
+            await session.send("exec.resize", {"call_id": call_id, "rows": 40, "cols": 120})
+            line = "stty size\n"
+            n.detail("exec.resize to 40x120")
+        before = len(output_text(session, call_id))
+        await session.send("exec.write_stdin", {"call_id": call_id, "offset": offset, "data": b64(line)})
+        ack = await session.receive_until(lambda f: f.get("kind") == "exec.stdin_ack")
+        offset = ack["body"]["next_offset"]
+        if needle is not None:
+            await wait_for_text(session, call_id, needle, before)
+            n.detail(f"typed {line.strip()!r} (stdin offset now {offset}) -> the terminal shows {needle!r}")
+    completed = await session.receive_until(
+        lambda f: f.get("kind") == "exec.completed" and f["body"]["call_id"] == call_id
+    )
+    n.detail(f"typed 'exit 0' -> exec.completed exit_code {completed['body']['exit_code']}")
+
+
+async def run_survivor_steps(n: Narrator, process: DaemonProcess, client: Any, cwd: str) -> None:
+    """A process that outlives a restart of the daemon (SIGUSR2: restart, keep processes)."""
+    command = 'i=0; while :; do echo "count $i"; i=$((i+1)); sleep 0.2; done'
+    async with client.connect() as session:
+        await session.bootstrap(cwd=cwd)
+        call_id = await session.call("start_process", {"command": command}, idempotency_key="demo-survivor")
+        started = await session.result(call_id)
+        await wait_for_text(session, call_id, "count 2")
+        n.say(f"start_process of a counter, pid {started['result']['pid']}: 'count 0' … 'count 2' live")
+    process.send_signal(signal.SIGUSR2)
+    code = await process.wait()
+    n.say(f"SIGUSR2 -> the daemon exits {code} (a restart that keeps processes); the counter runs on")
+    running = await process.start()
+    assert running is not None  # start() waits until the daemon listens (or raises)
+    client.endpoint = running.tcp
+    async with client.connect() as session:
+        await session.bootstrap(cwd=cwd)
+        seen = len(output_text(session, call_id))
+        await wait_for_text(session, call_id, "count", seen)
+        await session.send("exec.list", {})
+        listing = await session.receive_until(lambda f: f.get("kind") == "exec.processes")
+        mine = next(p for p in listing["body"]["processes"] if p["call_id"] == call_id)
+        n.say(
+            f"the new daemon adopted it: exec.list shows pid {mine['pid']} running {mine['running']}, "
+            f"and its output goes on: {output_text(session, call_id)[seen:].split(chr(10))[0]!r}"
+        )
+        await session.send("exec.signal", {"call_id": call_id, "signal": "SIGTERM"})
+        completed = await session.receive_until(
+            lambda f: f.get("kind") == "exec.completed" and f["body"]["call_id"] == call_id
+        )
+        n.detail(f"exec.signal SIGTERM -> exec.completed signal {completed['body']['signal']}, reported once")
+        await session.ack()
+
+
 async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
     n = Narrator(out)
     layout = make_layout(root, authority=LoopbackAuthority(kid="demo-key"))
@@ -184,7 +262,9 @@ async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
                 f"{frame['body']['original']['seq']}; NOTES.md written once: "
                 f"{(layout.workspace / 'NOTES.md').read_text().strip()!r}"
             )
+            await run_terminal_steps(n, session)
             await session.ack()
+        await run_survivor_steps(n, process, client, cwd)
     finally:
         code = await process.stop()
     n.say(f"SIGTERM -> daemon exited with status {code}")

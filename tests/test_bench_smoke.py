@@ -24,6 +24,8 @@ BENCHMARKS = {
     "replay",
     "idle_rss",
     "holder_launch",
+    "stdin_pty",
+    "process_start",
 }
 REPORT_LINE = re.compile(
     r"^BENCH (?P<name>\S+) .* \| ratio (?P<ratio>\d+(\.\d+)?)x \| target (<=|>=) [^|]+ \| (PASS|MISS)\b"

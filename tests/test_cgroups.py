@@ -537,3 +537,55 @@ async def test_cgroup_off_reports_process_groups(tmp_path, authority):
         health = json.loads((await http_request(daemon.tcp, "GET", "/healthz")).body)
     assert health["isolation"] == {"mode": "process-group", "memoryMax": None, "pidsMax": None}
 
+
+
+# --- held processes (start_process, docs/protocol.md §7.7) -------------------------------------
+
+
+async def _held_completed(session, call_id: str) -> dict[str, Any]:
+    frame = await session.receive_until(
+        lambda f: f["kind"] == EXEC_COMPLETED and f["body"]["call_id"] == call_id, timeout=DEADLINE_S
+    )
+    return frame["body"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_timeout(tmp_path, authority, mode):
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {"kill_grace_ms": 300}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                call_id = await session.call("start_process", {"command": ESCAPES, "timeout_ms": 1000}, idempotency_key="h1")
+                started = await session.result(call_id)
+                assert started["ok"], started
+                # The holder put the process in the call's cgroup before it ran.
+                assert call_id in Path(f"/proc/{started['result']['pid']}/cgroup").read_text()
+                pid_file = layout.workspace / "escaped.pid"
+                with trio.fail_after(DEADLINE_S):
+                    while not pid_file.exists():
+                        await trio.sleep(POLL_S)
+                escaped = int(pid_file.read_text())
+                try:
+                    completed = await _held_completed(session, call_id)
+                    assert completed["timed_out"] is True
+                    await wait_dead(escaped)  # left the group with setsid, not the cgroup
+                finally:
+                    kill_quietly(escaped)
+
+
+@needs_v1_memory
+async def test_a_held_process_killed_by_its_memory_limit_says_so(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"memory_max": 32 * MIB})
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            grow = f"exec {sys.executable} -c \"x = b'a' * (512 * 1024 * 1024)\""
+            call_id = await session.call("start_process", {"command": grow}, idempotency_key="h-oom")
+            assert (await session.result(call_id))["ok"]
+            completed = await _held_completed(session, call_id)
+    assert completed["signal"] == "SIGKILL" and completed["oom_killed"] is True
+    ExecCompletedBody.model_validate(completed)

@@ -25,6 +25,11 @@ def test_demo_runs_a_whole_session_and_exits_0():
         "tool.result of the lost call arrives (ok: True)",
         "tool.replayed",
         "written exactly once",
+        "the terminal shows '40 120'",
+        "exec.completed exit_code 0",
+        "the daemon exits 75",
+        "the new daemon adopted it",
+        "reported once",
         "exited with status 0",
     ):
         assert promise in out, promise

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from sandbox_supervisor.protocol import PROTOCOL_VERSION
 from sandbox_supervisor.protocol.errors import INVALID_FRAME, UNKNOWN_KIND
-from sandbox_supervisor.protocol.frames import CLIENT_KINDS, BootstrapRejectedBody, BootstrapRejectedFrame, ErrorBody, ErrorFrame, EventsAckFrame, ExecCompletedBody, ExecCompletedEvent, ExecContext, ExecOutputBody, ExecOutputEvent, ExecOutputPageBody, ExecOutputPageFrame, ExecReadOutputFrame, ExecSignalFrame, ExecStartedBody, ExecStartedEvent, FrameError, RuntimeStateBody, RuntimeStateFrame, SessionBootstrapFrame, ToolCallFrame, ToolError, ToolPendingBody, ToolPendingFrame, ToolReplayedBody, ToolReplayedFrame, ToolResultBody, ToolResultEvent, decode_client_frame, decode_server_frame, encode_frame
+from sandbox_supervisor.protocol.frames import CLIENT_KINDS, BootstrapRejectedBody, BootstrapRejectedFrame, ErrorBody, ErrorFrame, EventsAckFrame, ExecCloseStdinFrame, ExecCompletedBody, ExecCompletedEvent, ExecContext, ExecListFrame, ExecProcessesBody, ExecProcessesFrame, ExecResizeFrame, ExecStdinAckBody, ExecStdinAckFrame, ExecWriteStdinFrame, ProcessExit, ProcessInfo, ExecOutputBody, ExecOutputEvent, ExecOutputPageBody, ExecOutputPageFrame, ExecReadOutputFrame, ExecSignalFrame, ExecStartedBody, ExecStartedEvent, FrameError, RuntimeStateBody, RuntimeStateFrame, SessionBootstrapFrame, ToolCallFrame, ToolError, ToolPendingBody, ToolPendingFrame, ToolReplayedBody, ToolReplayedFrame, ToolResultBody, ToolResultEvent, decode_client_frame, decode_server_frame, encode_frame
 from sandbox_supervisor.protocol.tools import StreamSummary
 from sandbox_supervisor.protocol.headers import MAX_SAFE_INTEGER
 from sandbox_supervisor.testing.fuzzing import fuzz_settings
@@ -57,6 +57,23 @@ CLIENT_SAMPLES: dict[str, tuple[type, dict[str, Any]]] = {
             "body": {"call_id": CALL_ID, "stream": "stderr", "offset": 0, "length": 65536},
         },
     ),
+    "exec.write_stdin": (
+        ExecWriteStdinFrame,
+        {
+            "kind": "exec.write_stdin",
+            "connectionGeneration": 2,
+            "body": {"call_id": CALL_ID, "offset": 6, "data": "aGVsbG8K"},
+        },
+    ),
+    "exec.close_stdin": (
+        ExecCloseStdinFrame,
+        {"kind": "exec.close_stdin", "connectionGeneration": 2, "body": {"call_id": CALL_ID, "offset": 12}},
+    ),
+    "exec.resize": (
+        ExecResizeFrame,
+        {"kind": "exec.resize", "connectionGeneration": 2, "body": {"call_id": CALL_ID, "rows": 40, "cols": 120}},
+    ),
+    "exec.list": (ExecListFrame, {"kind": "exec.list", "connectionGeneration": 2, "body": {}}),
 }
 
 
@@ -263,6 +280,18 @@ SERVER_SAMPLES = [
             call_id=CALL_ID, stream="stdout", offset=0, data="aGk=", eof=True, truncated=False
         )
     ),
+    ExecStdinAckFrame(body=ExecStdinAckBody(call_id=CALL_ID, offset=0, next_offset=6, closed=False)),
+    ExecProcessesFrame(
+        body=ExecProcessesBody(
+            processes=[
+                ProcessInfo(
+                    call_id=CALL_ID, tool_name="start_process", command="npm run dev", pid=41, pgid=41,
+                    pty=True, started_at=1.5, running=False,
+                    exit=ProcessExit(exit_code=0, signal=None, timed_out=False),
+                )
+            ]
+        )
+    ),
     ErrorFrame(body=ErrorBody(code="forbidden", message="No scope.", call_id=CALL_ID)),
     ErrorFrame(body=ErrorBody(code="invalid_frame", message="Bad.")),
     ExecStartedEvent(
@@ -401,7 +430,7 @@ def test_models_are_frozen() -> None:
 
 
 def test_exec_completed_carries_interrupted_false_by_default() -> None:
-    completed = json.loads(encode_frame(SERVER_SAMPLES[9]))
+    completed = json.loads(encode_frame(next(f for f in SERVER_SAMPLES if f.kind == "exec.completed")))
     assert completed["body"]["interrupted"] is False
     assert completed["body"]["call_id"] == CALL_ID
 
@@ -462,7 +491,8 @@ def test_valid_frames_with_one_value_replaced_never_escape(kind: str, data: st.D
     document = sample(kind)
     target = data.draw(st.sampled_from(["envelope", "body"]))
     holder = document if target == "envelope" else document["body"]
-    key = data.draw(st.sampled_from(sorted(holder)) | st.text(max_size=5))
+    existing = st.sampled_from(sorted(holder)) if holder else st.nothing()  # exec.list's body is {}
+    key = data.draw(existing | st.text(max_size=5))
     holder[key] = data.draw(_json_values)
     _decode_or_frame_error(json.dumps(document))
 

@@ -644,7 +644,9 @@ def test_signals_reach_descendants_that_left_the_group_through_the_cgroup(holder
     launch_holder(directory, sh("setsid sleep 30 & echo $!; exec sleep 30", stdin="null", cgroup=str(cgroup2)))
     wait_until(lambda: spool_text(directory).strip().isdigit(), "the escaped pid")
     escaped = int(spool_text(directory))
-    assert os.getsid(escaped) == escaped and alive(escaped)
+    # `$!` is known before the background child has run setsid: wait for its own session.
+    wait_until(lambda: os.getsid(escaped) == escaped, "the escaped process to lead a session")
+    assert alive(escaped)
     with Control(directory) as control:
         assert control.request(encode_signal("SIGTERM")).fields["delivered"] is True
         wait_for_exit(directory)

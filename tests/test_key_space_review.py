@@ -119,6 +119,7 @@ def _downgrade_to_v4(db: Path) -> None:
             if statement.startswith("DROP TABLE"):
                 statement = "DROP TABLE idempotency_v5"
             conn.execute(statement)
+        conn.execute("DROP TABLE IF EXISTS held")  # schema 6's, unknown to schema 4
         conn.execute("PRAGMA user_version=4")
     assert [row[1] for row in conn.execute("PRAGMA table_info(idempotency)")][0] == "key"
     conn.close()

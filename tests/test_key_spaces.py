@@ -128,7 +128,7 @@ def test_a_version_4_database_keeps_its_records_for_every_space(tmp_path: Path):
     conn.close()
     delegated = key_space({"shell:exec"}, None, None)
     with StateStore.open(state_dir, CallRetention(max_age_s=1e12)) as store:
-        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert store._conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         for space in (OWNER_SPACE, delegated):
             found = store.begin_call(key=CallKey(space, "k"), tool_name="read_file", digest="d", call_id=CALL_ID,
                                      intent_json=None, now=NOW)

@@ -34,6 +34,7 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "apply_file_patch": {"path": "src/a.py", "diff": "--- a\n+++ b\n", "base_sha": SHA},
     "execute_shell_command": {"command": "echo hi"},
     "read_file": {"path": "README.md"},
+    "start_process": {"command": "npm run dev", "pty": {"rows": 24, "cols": 80, "term": "xterm-256color"}},
 }
 
 

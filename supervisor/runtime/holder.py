@@ -205,8 +205,9 @@ def _child(spec: HolderSpec, stdio: Stdio, report: int) -> NoReturn:
                 pass
         if spec.cgroup is not None:
             stage = "cgroup"  # as root, before the switch; a failure stops the spawn
-            with open(os.path.join(spec.cgroup, "cgroup.procs"), "w") as handle:
-                handle.write(str(os.getpid()))
+            for directory in (spec.cgroup, *spec.cgroup_also):
+                with open(os.path.join(directory, "cgroup.procs"), "w") as handle:
+                    handle.write(str(os.getpid()))
         stage = "cwd"  # as root, as CPython's subprocess does it: cwd first, then the ids
         os.chdir(spec.cwd)
         stage = "identity"
@@ -651,25 +652,27 @@ class Holder:
         if request.op == "stdin":
             if self.exit is not None:
                 return reply_error(NOT_RUNNING, "the process has exited")
+            # Every answer says where stdin stands (`next`) and whether it is closed, so a
+            # client retrying after a lost answer learns both, whatever it sent.
             if self.stdin_fd is None and not self.stdin.closed:
-                return reply_error(STDIN_CLOSED, "the process has no stdin to write to")
+                return reply_error(STDIN_CLOSED, "the process has no stdin to write to", next=self.stdin.next)
             try:
                 accepted = self.stdin.offer(request.offset, request.data)
             except StdinGap as gap:
-                return reply_error(STDIN_GAP, str(gap), expected=gap.expected)
+                return reply_error(STDIN_GAP, str(gap), expected=gap.expected, next=gap.expected)
             except StdinClosed:
-                return reply_error(STDIN_CLOSED, "stdin is closed")
+                return reply_error(STDIN_CLOSED, "stdin is closed", next=self.stdin.next)
             self._pump_stdin()
-            return reply_ok(next=accepted)
+            return reply_ok(next=accepted, closed=self.stdin.closed)
         if request.op == "close_stdin":
             if self.exit is not None:
                 return reply_error(NOT_RUNNING, "the process has exited")
             try:
                 self.stdin.close(request.offset)
             except StdinGap as gap:
-                return reply_error(STDIN_GAP, str(gap), expected=gap.expected)
+                return reply_error(STDIN_GAP, str(gap), expected=gap.expected, next=gap.expected, closed=self.stdin.closed)
             self._pump_stdin()
-            return reply_ok(next=self.stdin.next)
+            return reply_ok(next=self.stdin.next, closed=True)
         if request.op == "resize":
             if self.spec.pty is None:
                 return reply_error(NOT_A_TERMINAL, "the process has no terminal")

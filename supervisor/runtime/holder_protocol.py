@@ -137,6 +137,9 @@ class HolderSpec(NamedTuple):
     spool_max_bytes: int = 64 * 1024 * 1024
     oom_score_adj: int | None = None
     cgroup: str | None = None
+    # More cgroup directories the process joins with it (runtime/cgroups.py: v1 `memory` and
+    # `pids` directories holding its limits, beside the membership directory `cgroup`).
+    cgroup_also: tuple[str, ...] = ()
     # Addition to the shared design: "null" gives the process /dev/null as stdin (today's
     # execute_shell_command), "pipe" a pipe fed by `stdin` requests. Ignored with a pty.
     stdin: Literal["pipe", "null"] = "pipe"
@@ -155,6 +158,7 @@ class HolderSpec(NamedTuple):
             "spool_max_bytes": self.spool_max_bytes,
             "oom_score_adj": self.oom_score_adj,
             "cgroup": self.cgroup,
+            "cgroup_also": list(self.cgroup_also),
             "stdin": self.stdin,
         }
 
@@ -217,6 +221,9 @@ def parse_spec(document: object) -> HolderSpec:
         )
     timeout = document.get("timeout_s")
     cgroup = document.get("cgroup")
+    cgroup_also = document.get("cgroup_also", [])
+    if not isinstance(cgroup_also, list) or (cgroup_also and cgroup is None):
+        raise SpecError("cgroup_also must be a list, and needs a cgroup")
     stdin = document.get("stdin", "pipe")
     if stdin not in STDIN_MODES:
         raise SpecError(f"stdin must be one of {STDIN_MODES}")
@@ -233,6 +240,7 @@ def parse_spec(document: object) -> HolderSpec:
         spool_max_bytes=_int(document.get("spool_max_bytes", 64 * 1024 * 1024), "spool_max_bytes", 0, 2**62),
         oom_score_adj=_optional_int(document, "oom_score_adj", *OOM_SCORE_ADJ_RANGE),
         cgroup=None if cgroup is None else _text(cgroup, "cgroup"),
+        cgroup_also=tuple(_text(item, "cgroup_also[]") for item in cgroup_also),
         stdin="null" if stdin == "null" else "pipe",
     )
 

@@ -123,6 +123,13 @@ class LiveOutput:
     def buffered(self) -> int:
         return len(self._buffer)
 
+    def skip_to(self, offset: int) -> None:
+        """Start the view at `offset` (bytes before it were sent by an earlier daemon: a
+        held process adopted after a restart). Only before anything was fed."""
+        if self.fed:
+            raise ValueError("skip_to before the first feed only")
+        self._offset = offset
+
     def feed(self, data: bytes) -> None:
         if not data:
             return

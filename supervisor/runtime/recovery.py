@@ -32,10 +32,13 @@ NOT_FINISHED_MESSAGE = "The supervisor stopped before the call finished."
 def kill_leftover_groups(store: StateStore, state_dir: Path, cgroups: Cgroups | None = None) -> int:
     """Kill the groups recorded by a previous instance that still run the same processes,
     and every process of the command cgroups it left (which holds what left the groups with
-    setsid, and what a crash between a cgroup's creation and its record started)."""
+    setsid, and what a crash between a cgroup's creation and its record started). Held
+    processes that still run are not leftovers: their holders keep them for this daemon to
+    adopt (docs/protocol.md §7.7.5)."""
     killed = 0
     if cgroups is not None and cgroups.enabled:
-        for leftover in cgroups.kill_leftovers():
+        held = {record.call_id for record in store.held_processes() if record.exit_json is None}
+        for leftover in cgroups.kill_leftovers(keep=held):
             if leftover.processes:
                 log.warning("process.leftover_cgroup_killed", call_id=leftover.name, processes=leftover.processes)
             killed += leftover.processes

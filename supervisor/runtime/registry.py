@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from sandbox_supervisor.protocol.tools import TOOL_NAMES
 from sandbox_supervisor.daemon.runtime.tool import Recover, Tool, ToolModule, ToolServices
-from sandbox_supervisor.daemon.runtime.tools import apply_file_patch, execute_shell_command, read_file
+from sandbox_supervisor.daemon.runtime.tools import apply_file_patch, execute_shell_command, read_file, start_process
 
-TOOL_MODULES: tuple[ToolModule, ...] = (apply_file_patch, execute_shell_command, read_file)
+TOOL_MODULES: tuple[ToolModule, ...] = (apply_file_patch, execute_shell_command, read_file, start_process)
 
 
 class RegistryMismatch(Exception):

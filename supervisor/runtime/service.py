@@ -5,31 +5,47 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+import base64
 from typing import Any
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.frames import (
     ErrorBody,
     ErrorFrame,
+    ExecCloseStdinFrame,
+    ExecFrame,
+    ExecListFrame,
     ExecOutputPageBody,
     ExecOutputPageFrame,
+    ExecProcessesBody,
+    ExecProcessesFrame,
     ExecReadOutputFrame,
+    ExecResizeFrame,
     ExecSignalFrame,
+    ExecStdinAckBody,
+    ExecStdinAckFrame,
+    ExecWriteStdinFrame,
+    ServerFrameModel,
 )
 from sandbox_supervisor.daemon.runtime.audience import audience_for
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
+from sandbox_supervisor.daemon.runtime.held import HeldProcess
+from sandbox_supervisor.daemon.runtime.process_host import ProcessHost
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
 from sandbox_supervisor.daemon.runtime.tool import CallContext, SendReply
 from sandbox_supervisor.daemon.state.visibility import Audience
 
 UNKNOWN_CALL_MESSAGE = "No such command call."
 NOT_RUNNING_MESSAGE = "The command has finished."
+NOT_A_TERMINAL_MESSAGE = "The process has no terminal."
+HOLDER_FAILED_MESSAGE = "The process's holder did not answer."
 
 
 class Runtime:
-    def __init__(self, calls: CallRunner, shell: ShellRuntime) -> None:
+    def __init__(self, calls: CallRunner, shell: ShellRuntime, processes: ProcessHost | None = None) -> None:
         self.calls = calls
         self.shell = shell
+        self.processes = processes
 
     async def submit_call(
         self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool]
@@ -47,18 +63,68 @@ class Runtime:
         resolved by the jail's walk from the opened agent.cwd."""
         return audience_for(self.calls.roots, scopes, allowed_paths, allowed_commands, cwd)
 
-    def exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> ErrorFrame | ExecOutputPageFrame | None:
-        """exec.signal (an error, or nothing once sent) and exec.read_output (a page, or an
-        error) — docs/protocol.md §7.4.6, §7.4.7."""
-        body = frame.body
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | None:
+        """The exec.* frames (docs/protocol.md §7.4.6, §7.4.7, §7.7): an answer frame, or
+        None (a signal sent, a resize done). `audience`: what the sending socket may see;
+        it acts only on processes it may see."""
+        if isinstance(frame, ExecListFrame):
+            listed = [] if self.processes is None else self.processes.listing(audience)
+            return ExecProcessesFrame(body=ExecProcessesBody.model_validate({"processes": listed}))
+        call_id = frame.body.call_id
+        if self.processes is not None:
+            held = self.processes.find(call_id)
+            if held is not None:
+                if not self.processes.may_act(held, audience):
+                    return _error(errors.UNKNOWN_CALL, call_id)
+                return await self._held_frame(self.processes, held, frame)
+            if self.processes.may_see_ended(call_id, audience) is False:
+                return _error(errors.UNKNOWN_CALL, call_id)
         if isinstance(frame, ExecSignalFrame):
-            code = self.shell.signal_command(frame.body.call_id, frame.body.signal)
-            if code is None:
-                return None
-            message = UNKNOWN_CALL_MESSAGE if code == errors.UNKNOWN_CALL else NOT_RUNNING_MESSAGE
-            return ErrorFrame(body=ErrorBody(code=code, message=message, call_id=body.call_id))
-        read = frame.body
-        page = self.shell.read_output(read.call_id, read.stream, read.offset, read.length)
-        if page is None:
-            return ErrorFrame(body=ErrorBody(code=errors.UNKNOWN_CALL, message=UNKNOWN_CALL_MESSAGE, call_id=read.call_id))
-        return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(page))
+            code = self.shell.signal_command(call_id, frame.body.signal)
+            return None if code is None else _error(code, call_id)
+        if isinstance(frame, ExecReadOutputFrame):
+            read = frame.body
+            page = self.shell.read_output(read.call_id, read.stream, read.offset, read.length)
+            if page is None:
+                return _error(errors.UNKNOWN_CALL, call_id)
+            return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(page))
+        # stdin and resize exist only for held processes; a command's stdin is /dev/null.
+        code = errors.NOT_RUNNING if self.shell.known_call(call_id) else errors.UNKNOWN_CALL
+        return _error(code, call_id)
+
+    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | None:
+        call_id = held.call_id
+        if isinstance(frame, ExecReadOutputFrame):
+            read = frame.body
+            page = self.shell.read_output(read.call_id, read.stream, read.offset, read.length, writer_alive=held.exit is None)
+            if page is None:
+                return _error(errors.UNKNOWN_CALL, call_id)
+            return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(page))
+        if isinstance(frame, ExecSignalFrame):
+            code = await processes.send_signal(held, frame.body.signal)
+        elif isinstance(frame, ExecResizeFrame):
+            code = await processes.resize(held, frame.body.rows, frame.body.cols)
+        elif isinstance(frame, ExecWriteStdinFrame):
+            # Decodable and within MAX_STDIN_WRITE_BYTES: the frame model checked both.
+            data = base64.b64decode(frame.body.data)
+            ack = await processes.write_stdin(held, frame.body.offset, data)
+            return _error(ack, call_id) if isinstance(ack, str) else ExecStdinAckFrame(body=ExecStdinAckBody.model_validate(ack))
+        else:
+            assert isinstance(frame, ExecCloseStdinFrame)
+            ack = await processes.close_stdin(held, frame.body.offset)
+            return _error(ack, call_id) if isinstance(ack, str) else ExecStdinAckFrame(body=ExecStdinAckBody.model_validate(ack))
+        return None if code is None else _error(code, call_id)
+
+
+_MESSAGES = {
+    errors.UNKNOWN_CALL: UNKNOWN_CALL_MESSAGE,
+    errors.NOT_RUNNING: NOT_RUNNING_MESSAGE,
+    errors.NOT_A_TERMINAL: NOT_A_TERMINAL_MESSAGE,
+}
+
+
+def _error(code: str, call_id: str, message: str | None = None) -> ErrorFrame:
+    text = message if message is not None else _MESSAGES.get(code, HOLDER_FAILED_MESSAGE)
+    if code not in _MESSAGES and message is None:
+        code = errors.INTERNAL
+    return ErrorFrame(body=ErrorBody(code=code, message=text, call_id=call_id))

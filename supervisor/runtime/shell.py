@@ -19,7 +19,7 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -30,7 +30,7 @@ import trio
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, Signal
-from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams, ToolCall
+from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams, StartProcessParams, ToolCall
 from sandbox_supervisor.daemon.config import SYSTEM_PATH, SupervisorConfig
 from sandbox_supervisor.daemon.state.visibility import commands_origin
 from sandbox_supervisor.daemon.state.journal import Journal
@@ -245,6 +245,10 @@ class ShellRuntime:
         # Completed commands' groups that background descendants keep alive: stop_all must
         # still find them, and each is forgotten once empty.
         self._lingering = LingeringGroups(nursery)
+        # How many held processes (process_host.py) run: they share max_processes; and their
+        # spools, which a prune must keep (their holders still write them).
+        self.held_running: Callable[[], int] = lambda: 0
+        self.held_spools: Callable[[], set[str]] = set
 
     @property
     def running(self) -> int:
@@ -263,7 +267,7 @@ class ShellRuntime:
         if not isinstance(params, ExecuteShellCommandParams):
             raise TypeError(f"execute_shell_command was dispatched {type(params).__name__}")
         ctx = running.context
-        cwd = self._admit(call, params, ctx)
+        cwd = self.admit(call, params, ctx)
         self._starting += 1
         try:
             command = await self._spawn(call.call_id, params, cwd, ctx)
@@ -307,8 +311,9 @@ class ShellRuntime:
         self._complete(command)
         return result
 
-    def _admit(self, call: ToolCall, params: ExecuteShellCommandParams, ctx: CallContext) -> Path:
-        """The checks of 7.4.1 before a spawn, in their order; the resolved cwd."""
+    def admit(self, call: ToolCall, params: ExecuteShellCommandParams | StartProcessParams, ctx: CallContext) -> Path:
+        """The checks of 7.4.1 before a spawn, in their order; the resolved cwd. Shared by
+        start_process (§7.7), whose processes count against the same limit."""
         # The cwd shares the file tools' jail (agent.cwd); allowed_paths limits what file
         # tools touch, not where a command may stand.
         # Resolved by the same descriptor walk as the file tools, from agent.cwd as opened at
@@ -341,7 +346,7 @@ class ShellRuntime:
             )
         if self.stopping:
             raise ToolFailure(errors.INTERRUPTED, "The supervisor is stopping; the command was not started.")
-        if self.running >= self.settings.max_processes:
+        if self.running + self.held_running() >= self.settings.max_processes:
             raise ToolFailure(
                 errors.TOO_MANY_PROCESSES,
                 f"At most {self.settings.max_processes} commands may run at once.",
@@ -483,7 +488,7 @@ class ShellRuntime:
             self._forget_if_done(command)
             if self._spools.add(command.output.spooled_bytes):
                 keep = {call_id for call_id, c in self.commands.items() if not c.output.finished.is_set()}
-                await self._spools.prune(keep)
+                await self._spools.prune(keep | self.held_spools())
 
     # --- exec.* frames -------------------------------------------------------------------
 
@@ -500,12 +505,17 @@ class ShellRuntime:
     def known_call(self, call_id: str) -> bool:
         return spool_dir(self.settings.state_dir, call_id).is_dir()
 
-    def read_output(self, call_id: str, stream: Stream, offset: int, length: int) -> dict[str, Any] | None:
-        """An exec.output_page body, or None for an unknown call."""
+    def read_output(
+        self, call_id: str, stream: Stream, offset: int, length: int, *, writer_alive: bool | None = None
+    ) -> dict[str, Any] | None:
+        """An exec.output_page body, or None for an unknown call. `writer_alive`: whether
+        more bytes may come, when the caller knows (a held process's holder writes them);
+        else a command of this runtime's."""
         if not self.known_call(call_id):
             return None
-        command = self.commands.get(call_id)
-        writer_alive = command is not None and command.output.writer_alive(stream)
+        if writer_alive is None:
+            command = self.commands.get(call_id)
+            writer_alive = command is not None and command.output.writer_alive(stream)
         try:
             page = read_range(
                 stream_path(self.settings.state_dir, call_id, stream), offset, length, writer_alive=writer_alive

@@ -83,6 +83,12 @@ class CommandService(Protocol):
     async def execute(self, running: RunningCall) -> dict[str, Any]: ...
 
 
+class ProcessService(Protocol):
+    """The process host as the start_process tool uses it."""
+
+    async def start(self, running: RunningCall) -> dict[str, Any]: ...
+
+
 # Worker threads each kind of file work may hold at once. Separate limiters, not trio's
 # default one (shared by every to_thread call): slow reads can fill theirs, but never take
 # the thread a patch (or the state store) needs. Patches are serialised by file_write_lock
@@ -114,6 +120,8 @@ class ToolServices:
     # agent.cwd opened once (at bootstrap, or at a bound restart): the file tools resolve
     # from that descriptor, never from the path again (paths.py).
     roots: WorkspaceRoots = field(default_factory=WorkspaceRoots)
+    # Processes kept by holders (start_process); None where a test wires no host.
+    processes: ProcessService | None = None
 
 
 @dataclass(frozen=True, slots=True)

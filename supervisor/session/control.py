@@ -31,7 +31,12 @@ from sandbox_supervisor.protocol.frames import (
     ErrorBody,
     ErrorFrame,
     EventsAckFrame,
+    ExecCloseStdinFrame,
+    ExecFrame,
+    ExecListFrame,
     ExecReadOutputFrame,
+    ExecResizeFrame,
+    ExecWriteStdinFrame,
     ExecSignalFrame,
     FrameError,
     SessionBootstrapFrame,
@@ -42,6 +47,15 @@ from sandbox_supervisor.protocol.frames import (
 EXEC_SCOPE = TOOL_SCOPES["execute_shell_command"]
 SESSION_MISMATCH_MESSAGE = "Bootstrap sessionId does not match the session."
 EXEC_FORBIDDEN_MESSAGE = "The connection lacks the shell:exec scope."
+# Every exec.* frame a client sends: each needs shell:exec (the scope of what it acts on).
+EXEC_FRAMES = (
+    ExecSignalFrame,
+    ExecReadOutputFrame,
+    ExecWriteStdinFrame,
+    ExecCloseStdinFrame,
+    ExecResizeFrame,
+    ExecListFrame,
+)
 ACK_FORBIDDEN_MESSAGE = "events.ack needs the session:control scope; the ack floor did not move."
 BIND_FORBIDDEN_MESSAGE = "Binding or rebinding the session needs the session:control scope; nothing changed."
 
@@ -114,7 +128,7 @@ class Acknowledge:
 
 @dataclass(frozen=True, slots=True)
 class RunExec:
-    frame: ExecSignalFrame | ExecReadOutputFrame
+    frame: ExecFrame
 
 
 Action = Reply | Close | Bind | SendReadiness | Reject | SubmitCall | Acknowledge | RunExec
@@ -283,8 +297,9 @@ class ControlChannel:
             self.state = ChannelState.BINDING
             self._rebinding = True
             return [Bind(frame.body, may_bind=SESSION_CONTROL in self.scopes)]
-        if isinstance(frame, (ExecSignalFrame, ExecReadOutputFrame)):
+        if isinstance(frame, EXEC_FRAMES):
             if EXEC_SCOPE not in self.scopes:
-                return [error_reply(errors.FORBIDDEN, EXEC_FORBIDDEN_MESSAGE, frame.body.call_id)]
+                call_id = None if isinstance(frame, ExecListFrame) else frame.body.call_id
+                return [error_reply(errors.FORBIDDEN, EXEC_FORBIDDEN_MESSAGE, call_id)]
             return [RunExec(frame)]
         raise LocalProtocolError(f"unhandled frame kind {frame.kind}")  # the decoder knows no other

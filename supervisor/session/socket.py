@@ -23,8 +23,7 @@ from sandbox_supervisor.protocol.frames import (
     BootstrapRejectedBody,
     BootstrapRejectedFrame,
     ClientFrameModel,
-    ExecReadOutputFrame,
-    ExecSignalFrame,
+    ExecFrame,
     FrameError,
     ServerFrameModel,
     decode_client_frame,
@@ -72,7 +71,7 @@ class RuntimePort(Protocol):
         self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool]
     ) -> None: ...
 
-    def exec_frame(self, frame: ExecSignalFrame | ExecReadOutputFrame) -> ServerFrameModel | None: ...
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | None: ...
 
     def audience(
         self,
@@ -256,7 +255,7 @@ class ControlSocket:
             elif isinstance(action, Acknowledge):
                 await self._acknowledge(action.seq)
             elif isinstance(action, RunExec):
-                answer = self.services.runtime.exec_frame(action.frame)
+                answer = await self.services.runtime.exec_frame(action.frame, self._socket_audience())
                 if answer is not None:
                     await self._reply(encode_frame(answer))
             elif isinstance(action, Bind):

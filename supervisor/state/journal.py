@@ -14,7 +14,7 @@ from typing import Any
 
 from sandbox_supervisor.protocol.frames import encode_withheld
 from sandbox_supervisor.daemon.state.keys import CallKey
-from sandbox_supervisor.daemon.state.store import JournalRow, StateStore, take_within
+from sandbox_supervisor.daemon.state.store import HeldRecord, JournalRow, StateStore, take_within
 from sandbox_supervisor.daemon.state.visibility import Audience, EventView, visible
 
 
@@ -134,5 +134,32 @@ class Journal:
     ) -> list[JournalRow]:
         """Record a spawned process group and journal its exec.started, in one transaction."""
         rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body, origin)
+        self._appended(rows)
+        return rows
+
+    def start_held(self, record: HeldRecord, started_body: dict[str, Any]) -> list[JournalRow]:
+        """Record a held process and journal its exec.started, in one transaction."""
+        rows = self.store.start_held(record, started_body)
+        self._appended(rows)
+        return rows
+
+    def append_held_output(
+        self, call_id: str, events: Sequence[tuple[str, dict[str, Any]]], sent: dict[str, int], origin: str | None
+    ) -> list[JournalRow]:
+        """Journal a held process's live events with where its live view now stands."""
+        rows = self.store.append_held_output(call_id, events, sent, origin)
+        self._appended(rows)
+        return rows
+
+    def end_held(
+        self,
+        call_id: str,
+        events: Sequence[tuple[str, dict[str, Any]]],
+        sent: dict[str, int],
+        exit_json: str,
+        origin: str | None,
+    ) -> list[JournalRow]:
+        """Journal a held process's last events and its exec.completed, exactly once."""
+        rows = self.store.end_held(call_id, events, sent, exit_json, origin)
         self._appended(rows)
         return rows

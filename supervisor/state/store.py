@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, TypeVar
 
@@ -30,7 +30,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Retention of completed idempotency records (docs/protocol.md §8): a key is remembered for
 # this long after its call completed …
@@ -198,8 +198,36 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
         "CREATE INDEX idempotency_result_seq ON idempotency (result_seq)"
         " WHERE result_seq IS NOT NULL",
     ),
+    (
+        # Processes kept by a holder (runtime/held.py, docs/protocol.md §7.7): what a restarted
+        # daemon needs to adopt each one (the holder's identity) and to resume its live
+        # events where the last daemon stopped (`*_sent`, moved in the transaction that
+        # journals the events), and, once ended, its exit for exec.list (`exit_json`, set in
+        # the transaction that journals exec.completed: reported exactly once).
+        """CREATE TABLE held (
+            call_id TEXT PRIMARY KEY,
+            tool_name TEXT NOT NULL,
+            command TEXT NOT NULL,
+            pty INTEGER NOT NULL,
+            pid INTEGER NOT NULL,
+            pgid INTEGER NOT NULL,
+            start_ticks INTEGER NOT NULL,
+            holder_pid INTEGER NOT NULL,
+            holder_start_ticks INTEGER NOT NULL,
+            started_at REAL NOT NULL,
+            origin TEXT,
+            context_json TEXT NOT NULL,
+            stdout_sent INTEGER NOT NULL DEFAULT 0,
+            stderr_sent INTEGER NOT NULL DEFAULT 0,
+            exit_json TEXT,
+            ended_at REAL)""",
+        "CREATE INDEX held_ended ON held (ended_at) WHERE ended_at IS NOT NULL",
+    ),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
+
+# Ended held processes kept for exec.list: the most recent ones (docs/protocol.md §7.7.4).
+MAX_ENDED_HELD = 64
 
 
 def _set_default_views(conn: sqlite3.Connection) -> None:
@@ -318,6 +346,42 @@ PRUNE_WALKS = tuple(
     f" WHERE state = 'completed' AND space {op} '{OWNER_SPACE}' ORDER BY completed_at"
     for op in ("!=", "=")
 )
+
+@dataclass(frozen=True, slots=True)
+class HeldRecord:
+    """A process kept by a holder, as recorded (table `held`)."""
+
+    call_id: str
+    tool_name: str
+    command: str
+    pty: bool
+    pid: int
+    pgid: int
+    start_ticks: int
+    holder_pid: int
+    holder_start_ticks: int
+    started_at: float
+    origin: str | None  # commands_origin of the allowed_commands it runs under (§9.1)
+    context_json: str  # exec.started's context
+    sent: dict[str, int] = field(default_factory=dict)  # stream -> live events journaled up to
+    exit_json: str | None = None  # set once its exec.completed is journaled
+    ended_at: float | None = None
+
+
+_HELD_COLUMNS = (
+    "call_id, tool_name, command, pty, pid, pgid, start_ticks, holder_pid, holder_start_ticks,"
+    " started_at, origin, context_json, stdout_sent, stderr_sent, exit_json, ended_at"
+)
+
+
+def _held_record(row: Sequence[Any]) -> HeldRecord:
+    (call_id, tool_name, command, pty, pid, pgid, start_ticks, holder_pid, holder_start_ticks,
+     started_at, origin, context_json, stdout_sent, stderr_sent, exit_json, ended_at) = row
+    return HeldRecord(
+        call_id, tool_name, command, bool(pty), pid, pgid, start_ticks, holder_pid, holder_start_ticks,
+        started_at, origin, context_json, {"stdout": stdout_sent, "stderr": stderr_sent}, exit_json, ended_at,
+    )
+
 
 # A record joined with the event that holds its result.
 _CALL_SELECT = (
@@ -772,6 +836,84 @@ class StateStore:
             return conn.execute(
                 "SELECT call_id, pid, pgid, start_ticks FROM processes ORDER BY recorded_at"
             ).fetchall()
+
+    # -- held processes (runtime/held.py) --------------------------------------------------
+
+    def start_held(self, record: HeldRecord, started_body: dict[str, Any]) -> list[JournalRow]:
+        """Record a process its holder started and journal its exec.started, in one
+        transaction: a started process always has its record."""
+        now = time.time()
+        with self._transaction() as conn:
+            conn.execute(
+                "INSERT INTO held (call_id, tool_name, command, pty, pid, pgid, start_ticks,"
+                " holder_pid, holder_start_ticks, started_at, origin, context_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.call_id, record.tool_name, record.command, int(record.pty), record.pid,
+                    record.pgid, record.start_ticks, record.holder_pid, record.holder_start_ticks,
+                    record.started_at, record.origin, record.context_json,
+                ),
+            )
+            return self._append_events_in(conn, [(EXEC_STARTED, started_body)], now, origin=record.origin)
+
+    def append_held_output(
+        self, call_id: str, events: Sequence[tuple[str, dict[str, Any]]], sent: dict[str, int], origin: str | None
+    ) -> list[JournalRow]:
+        """Journal a held process's exec.output events and move where its live view stands,
+        in one transaction, so a restarted daemon resumes after the last journaled byte."""
+        now = time.time()
+        with self._transaction() as conn:
+            rows = self._append_events_in(conn, events, now, origin=origin)
+            self._set_sent_in(conn, call_id, sent)
+            return rows
+
+    def end_held(
+        self,
+        call_id: str,
+        events: Sequence[tuple[str, dict[str, Any]]],
+        sent: dict[str, int],
+        exit_json: str,
+        origin: str | None,
+    ) -> list[JournalRow]:
+        """Journal a held process's last exec.output events and its exec.completed, and mark it
+        ended, in one transaction: its end is reported exactly once. Older ended records past
+        MAX_ENDED_HELD are forgotten."""
+        now = time.time()
+        with self._transaction() as conn:
+            updated = conn.execute(
+                "UPDATE held SET exit_json = ?, ended_at = ? WHERE call_id = ? AND exit_json IS NULL",
+                (exit_json, now, call_id),
+            ).rowcount
+            if updated != 1:
+                raise StoreError(f"no running held process {call_id!r}")
+            rows = self._append_events_in(conn, events, now, origin=origin)
+            self._set_sent_in(conn, call_id, sent)
+            conn.execute(
+                "DELETE FROM held WHERE ended_at IS NOT NULL AND call_id NOT IN"
+                " (SELECT call_id FROM held WHERE ended_at IS NOT NULL ORDER BY ended_at DESC LIMIT ?)",
+                (MAX_ENDED_HELD,),
+            )
+            return rows
+
+    def held_processes(self) -> list[HeldRecord]:
+        """Every held process on record, running and recently ended, oldest start first."""
+        with self._transaction(write=False) as conn:
+            rows = conn.execute(f"SELECT {_HELD_COLUMNS} FROM held ORDER BY started_at, call_id").fetchall()
+        return [_held_record(row) for row in rows]
+
+    def held_record(self, call_id: str) -> HeldRecord | None:
+        with self._transaction(write=False) as conn:
+            row = conn.execute(f"SELECT {_HELD_COLUMNS} FROM held WHERE call_id = ?", (call_id,)).fetchone()
+        return None if row is None else _held_record(row)
+
+    @staticmethod
+    def _set_sent_in(conn: sqlite3.Connection, call_id: str, sent: dict[str, int]) -> None:
+        if sent:
+            conn.execute(
+                "UPDATE held SET stdout_sent = MAX(stdout_sent, ?), stderr_sent = MAX(stderr_sent, ?)"
+                " WHERE call_id = ?",
+                (sent.get("stdout", 0), sent.get("stderr", 0), call_id),
+            )
 
     # -- helpers usable inside one _transaction() ------------------------------------------
 
