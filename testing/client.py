@@ -446,6 +446,21 @@ class ControlSession:
             raise ExecRefused(call_id, body)
         return body
 
+    async def exec_completed(self, call_id: str, timeout: float = 10.0) -> JsonObject:
+        """The exec.completed body of a command or held process: already received, or awaited."""
+
+        def stored() -> JsonObject | None:
+            for frame in self.client.state.events.values():
+                body = _object(frame.get("body", {}), "a frame's body")
+                if frame.get("kind") == "exec.completed" and body.get("call_id") == call_id:
+                    return body
+            return None
+
+        with trio.fail_after(timeout):
+            while (body := stored()) is None:
+                await self.receive(timeout=timeout)
+        return body
+
     async def list_processes(self, timeout: float = 10.0) -> list[JsonObject]:
         """exec.list; the processes of exec.processes."""
         await self.send("exec.list", {})

@@ -38,16 +38,7 @@ async def wait_output(session, client, call_id: str, needle: str, stream: str = 
 
 
 async def completed(session, client, call_id: str) -> dict:
-    def found() -> dict | None:
-        for f in client.state.events.values():
-            if f["kind"] == "exec.completed" and f["body"]["call_id"] == call_id:
-                return f["body"]
-        return None
-
-    with trio.fail_after(DEADLINE_S):
-        while (body := found()) is None:
-            await session.receive()
-    return body
+    return await session.exec_completed(call_id, timeout=DEADLINE_S)
 
 
 async def start(session, command: str, key: str, **params) -> tuple[str, dict]:

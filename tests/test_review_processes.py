@@ -28,18 +28,7 @@ async def start(session, command: str, key: str, **params) -> tuple[str, dict]:
 
 
 async def completed(session, call_id: str) -> dict:
-    client = session.client
-
-    def found() -> dict | None:
-        for f in client.state.events.values():
-            if f["kind"] == "exec.completed" and f["body"]["call_id"] == call_id:
-                return f["body"]
-        return None
-
-    with trio.fail_after(DEADLINE_S):
-        while (body := found()) is None:
-            await session.receive()
-    return body
+    return await session.exec_completed(call_id, timeout=DEADLINE_S)
 
 
 async def test_badly_padded_stdin_data_is_a_typed_error(session, daemon):
