@@ -279,3 +279,21 @@ async def test_a_process_runs_past_the_commands_60_s_cap(session, daemon):
     body = events_of(client, call_id, "exec.completed")[0]
     assert body["exit_code"] == 0 and body["timed_out"] is False and body["duration_ms"] >= 61_000
     assert output_of(client, call_id) == "still-here\n"
+
+
+async def test_a_holder_killed_while_its_process_is_silent_is_reported_at_once(session, daemon):
+    """Nothing to read and no event to come: the link's end alone must wake the daemon, which
+    ends what is left of the process and reports it interrupted."""
+    from sandbox_supervisor.daemon.runtime.holder_protocol import read_holder
+    from sandbox_supervisor.daemon.runtime.processes import read_stat
+    from sandbox_supervisor.daemon.runtime.spool import spool_dir
+
+    client = session.client
+    call_id, started = await start(session, "sleep 300", "p-orphan")
+    holder = read_holder(spool_dir(daemon.layout.state_dir, call_id))
+    assert holder is not None
+    os.kill(holder.holder_pid, signal.SIGKILL)
+    body = await completed(session, client, call_id)
+    assert body["interrupted"] is True and body["exit_code"] is None
+    stat = read_stat(started["pid"])
+    assert stat is None or stat.state == "Z"  # its group was killed with the report

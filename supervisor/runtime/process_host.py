@@ -245,7 +245,7 @@ class ProcessHost:
             async with trio.open_nursery() as nursery:
                 if link is not None:
                     process.link = link
-                    nursery.start_soon(link.run, lambda event: self._on_event(process, event))
+                    nursery.start_soon(self._follow, process, link)
                     try:
                         await link.request(encode_watch())
                     except (HolderGone, HolderSlow):
@@ -291,6 +291,14 @@ class ProcessHost:
         except OSError as exc:
             raise start_failure(exc) from None
 
+    async def _follow(self, process: HeldProcess, link: HolderLink) -> None:
+        """Read the holder's events; its link's end (the holder ended, or was killed) wakes
+        the pump too, which then reads the exit record or reports the holder gone."""
+        try:
+            await link.run(lambda event: self._on_event(process, event))
+        finally:
+            process.wake.set()
+
     def _on_event(self, process: HeldProcess, event: Message) -> None:
         if isinstance(event, ExitedEvent) and process.exit is None:
             process.exit = event.record
@@ -306,7 +314,9 @@ class ProcessHost:
             process.wake = trio.Event()
             gone = link is None or link.closed.is_set()
             process.read_new()
-            if process.exit is None:
+            if process.exit is None and gone:
+                # While the link lives its `exited` event says so; once it is gone (or there
+                # never was one: an adopted process that ended meanwhile) the record on disk.
                 process.exit = process.read_exit()
             now = trio.current_time()
             if process.exit is not None and exited_at is None:
