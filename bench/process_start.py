@@ -17,9 +17,9 @@ from pathlib import Path
 from bench.common import CpuMeter, Mode, Result, daemon, floor_server, key, now, time_ratio_result, workspace
 
 NAME = "process_start"
-# What a start should cost: a spawn and a few round trips. Today it misses by far: most of
-# the daemon's time is the holder's interpreter start (see holder_launch), ~40 ms against
-# ~3 ms for a bare spawn; a fork server keeping one warm holder would take it away.
+# What a start should cost: a spawn and a few round trips. The holders' fork server took the
+# interpreter start (~40 ms, see holder_launch) out of it; what is left is mostly the forks
+# of the holder's start (the server's starter, the holder, the process) and their reports.
 TARGET = 3.0
 COMMAND = "echo hi"
 

@@ -39,7 +39,8 @@ from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
 from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
 from sandbox_supervisor.daemon.runtime.service import Runtime
-from sandbox_supervisor.daemon.runtime.process_host import ProcessHost, launch_held
+from sandbox_supervisor.daemon.runtime.holder_starter import HolderStarter
+from sandbox_supervisor.daemon.runtime.process_host import ProcessHost
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
 from sandbox_supervisor.daemon.runtime.tool import ToolServices
 from sandbox_supervisor.daemon.runtime.registry import bind_tools
@@ -92,6 +93,7 @@ class Daemon:
     telemetry: Telemetry | None
     shell: ShellRuntime | None = None  # built once the daemon's nursery is open
     processes: ProcessHost | None = None  # likewise
+    holder_starter: HolderStarter | None = None  # the holders' fork server, started on first use
     runtime: Runtime | None = None
     sessions: SessionServices | None = None
     # agent.cwd, opened once for the file tools' jail (runtime/paths.py): at bootstrap, or
@@ -207,12 +209,14 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
         telemetry=daemon.telemetry,
         roots=roots,
     )
+    # Holders are forked by one warm interpreter, not started as a new one each (~40 ms).
+    daemon.holder_starter = HolderStarter()
     processes = ProcessHost(
         shell,
         daemon.store,
         daemon.journal,
         nursery,
-        launch_held,
+        daemon.holder_starter.launch,
         max_timeout_ms=config.exec.process_max_timeout_ms,
     )
     shell.held_running = processes.running_count
@@ -454,6 +458,8 @@ async def drain(daemon: Daemon) -> None:
     if daemon.processes is not None and not (stop is not None and stop.exit_code == EXIT_RESTART):
         # A stop ends held processes too; a restart that keeps them leaves them to their holders.
         await daemon.processes.stop_all()
+    if daemon.holder_starter is not None:
+        await daemon.holder_starter.aclose()  # holders it started run on, or were ended above
     if daemon.shell is not None:
         await daemon.shell.stop_all()
         # The calls' own tasks journal exec.completed and tool.result once the shells

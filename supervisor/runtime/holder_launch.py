@@ -31,7 +31,7 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     read_holder,
 )
 
-__all__ = ["HOLDER_MODULE", "LAUNCH_TIMEOUT_S", "HolderLaunchError", "launch_holder"]
+__all__ = ["HOLDER_MODULE", "LAUNCH_TIMEOUT_S", "HolderLaunchError", "launch_holder", "write_spec"]
 
 HOLDER_MODULE = "sandbox_supervisor.daemon.runtime.holder"
 # From launch to holder.json: an interpreter start and a fork/exec, ~40 ms when idle; the
@@ -53,7 +53,7 @@ class HolderLaunchError(Exception):
         self.message = message
 
 
-def _write_spec(directory: Path, spec: HolderSpec) -> None:
+def write_spec(directory: Path, spec: HolderSpec) -> None:
     directory.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
     try:
         fd = os.open(directory / SPEC_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
@@ -90,7 +90,7 @@ def launch_holder(
     """
     directory = Path(directory).resolve()
     try:
-        _write_spec(directory, spec)
+        write_spec(directory, spec)
         starter = subprocess.Popen(
             [sys.executable, "-I", "-m", HOLDER_MODULE, str(directory)],
             stdin=subprocess.DEVNULL,

@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from datetime import datetime
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,12 +85,14 @@ HOLDER_CONNECT_PATIENCE_S = 5.0
 # A process's end the database refused to journal is tried again after this long.
 END_RETRY_S = 1.0
 
-Launcher = Callable[[Path, HolderSpec], HolderInfo]
+# Starts the holder of a spec in a directory; its holder.json (HolderLaunchError else).
+Launcher = Callable[[Path, HolderSpec], Awaitable[HolderInfo]]
 
 
-def launch_held(directory: Path, spec: HolderSpec) -> HolderInfo:
-    """The launcher the daemon uses (a test may pass another)."""
-    return launch_holder(directory, spec)
+async def launch_in_thread(directory: Path, spec: HolderSpec) -> HolderInfo:
+    """A launcher without the fork server: a new interpreter per holder (holder_launch.py),
+    from a worker thread."""
+    return await trio.to_thread.run_sync(launch_holder, directory, spec)
 
 UNKNOWN_PROCESS_MESSAGE = "No such process."
 NOT_RUNNING_MESSAGE = "The process has finished."
@@ -188,8 +190,8 @@ class ProcessHost:
         call = running.call
         ctx = running.context
         try:
-            # Blocks for an interpreter start (launch_holder has its own deadline).
-            info = await trio.to_thread.run_sync(self.launcher, directory, spec)
+            # The launcher has its own deadline (LAUNCH_TIMEOUT_S).
+            info = await self.launcher(directory, spec)
         except (HolderLaunchError, OSError) as exc:
             if cgroup is not None:
                 cgroup.kill()  # a launch past its deadline may have started it after all

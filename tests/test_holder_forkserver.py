@@ -1,0 +1,138 @@
+"""The holders' fork server (runtime/holder_forkserver.py) and its trio side
+(runtime/holder_starter.py): holders started by one warm interpreter, as detached as the ones
+`launch_holder` starts. Real processes, real fork server."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from sandbox_supervisor.daemon.runtime.holder_launch import HolderLaunchError
+from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec, read_exit
+from sandbox_supervisor.daemon.runtime.holder_starter import HolderStarter
+from sandbox_supervisor.daemon.runtime.processes import read_stat
+
+PATH = "/usr/local/bin:/usr/bin:/bin"
+DEADLINE_S = 10
+
+
+def sh(script: str, **fields: object) -> HolderSpec:
+    return HolderSpec(argv=("/bin/sh", "-c", script), cwd="/", env={"PATH": PATH}, kill_grace_s=1.0, **fields)  # type: ignore[arg-type]
+
+
+async def wait_until(predicate, what: str) -> None:
+    with trio.fail_after(DEADLINE_S):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    stat = read_stat(pid)
+    return stat is not None and stat.state != "Z"
+
+
+@pytest.fixture
+async def starter():
+    holders = HolderStarter()
+    pids: list[int] = []
+    holders.started = pids  # type: ignore[attr-defined]
+    try:
+        yield holders
+    finally:
+        await holders.aclose()
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+async def test_a_holder_from_the_fork_server_runs_its_process_and_outlives_the_server(starter, tmp_path):
+    info = await starter.launch(tmp_path / "a", sh("echo hi; sleep 30", stdin="null"))
+    starter.started.append(info.pgid)
+    # Not the daemon's child, nor the server's: reparented as soon as it started.
+    holder = read_stat(info.holder_pid)
+    assert holder is not None and holder.ppid not in (os.getpid(), starter._process.pid)
+    assert read_stat(info.holder_pid).session != os.getsid(0)  # out of the daemon's session
+    await wait_until(lambda: (tmp_path / "a" / "stdout").exists() and (tmp_path / "a" / "stdout").read_text() == "hi\n", "the output")
+    await starter.aclose()  # the server ends (as when the daemon dies): the holder does not
+    assert alive(info.holder_pid) and alive(info.pid)
+    os.killpg(info.pgid, signal.SIGTERM)
+    await wait_until(lambda: (tmp_path / "a" / "exit.json").exists(), "the exit record")
+    assert read_exit(tmp_path / "a").signal == "SIGTERM"
+
+
+async def test_many_holders_come_from_one_warm_server(starter, tmp_path):
+    """The point of the server: no interpreter start per holder."""
+    await starter.launch(tmp_path / "w0", sh("true", stdin="null"))
+    server = starter._process.pid
+    for i in range(1, 6):
+        await starter.launch(tmp_path / f"w{i}", sh("true", stdin="null"))
+    assert starter._process.pid == server  # one server for all
+    for i in range(6):
+        await wait_until(lambda i=i: (tmp_path / f"w{i}" / "exit.json").exists(), "each exit record")
+        assert read_exit(tmp_path / f"w{i}").exit_code == 0
+
+
+async def test_a_forked_holder_has_only_the_standard_library_loaded(starter, tmp_path):
+    """It is a fork of the server, so it has what the server imported: that must stay the
+    holder's own (no pydantic, trio or structlog), as for a holder started alone."""
+    import socket
+
+    from sandbox_supervisor.daemon.runtime.holder_protocol import CONTROL_SOCKET, encode_modules
+
+    info = await starter.launch(tmp_path / "m", sh("sleep 30", stdin="null"))
+    starter.started.append(info.pgid)
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.settimeout(DEADLINE_S)
+        conn.connect(str(tmp_path / "m" / CONTROL_SOCKET))
+        conn.sendall(encode_modules())
+        reply = b""
+        while not reply.endswith(b"\n"):
+            reply += conn.recv(65536)
+    import json
+
+    modules = json.loads(reply)["modules"]
+    assert "sandbox_supervisor.daemon.runtime.holder" in modules
+    assert not [m for m in modules if m.split(".")[0] in ("pydantic", "trio", "structlog", "pydantic_core")]
+
+
+async def test_a_dead_fork_server_is_replaced_at_the_next_launch(starter, tmp_path):
+    await starter.launch(tmp_path / "b0", sh("true", stdin="null"))
+    old = starter._process.pid
+    os.kill(old, signal.SIGKILL)
+    await wait_until(lambda: not alive(old), "the server's death")
+    info = await starter.launch(tmp_path / "b1", sh("echo again", stdin="null"))
+    assert starter._process.pid != old
+    await wait_until(lambda: (tmp_path / "b1" / "exit.json").exists(), "the exit record")
+    assert read_exit(tmp_path / "b1").exit_code == 0 and info.pid > 0
+
+
+async def test_a_spawn_that_fails_is_a_typed_error_and_the_server_stays(starter, tmp_path):
+    with pytest.raises(HolderLaunchError) as failed:
+        await starter.launch(tmp_path / "c0", HolderSpec(argv=("/bin/true",), cwd="/no/such/dir", env={}, stdin="null"))
+    assert failed.value.code == "spawn_failed"
+    server = starter._process.pid
+    with pytest.raises(HolderLaunchError) as again:
+        await starter.launch(tmp_path / "c0", sh("true", stdin="null"))  # the directory is used
+    assert again.value.code == "holder_exists"
+    await starter.launch(tmp_path / "c1", sh("true", stdin="null"))
+    assert starter._process.pid == server
+
+
+async def test_a_server_that_does_not_answer_is_killed_at_the_deadline(tmp_path):
+    holders = HolderStarter(timeout_s=0.5)
+    try:
+        await holders.launch(tmp_path / "d0", sh("true", stdin="null"))
+        server = holders._process.pid
+        os.kill(server, signal.SIGSTOP)  # wedged
+        with pytest.raises(HolderLaunchError) as failed:
+            await holders.launch(tmp_path / "d1", sh("true", stdin="null"))
+        assert failed.value.code == "holder_timeout"
+        await wait_until(lambda: not alive(server), "the wedged server's end")
+    finally:
+        await holders.aclose()
