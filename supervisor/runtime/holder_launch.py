@@ -31,7 +31,7 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     read_holder,
 )
 
-__all__ = ["HOLDER_MODULE", "LAUNCH_TIMEOUT_S", "HolderLaunchError", "launch_holder", "write_spec"]
+__all__ = ["HOLDER_MODULE", "LAUNCH_TIMEOUT_S", "HolderLaunchError", "launch_holder", "launched", "write_spec"]
 
 HOLDER_MODULE = "sandbox_supervisor.daemon.runtime.holder"
 # From launch to holder.json: an interpreter start and a fork/exec, ~40 ms when idle; the
@@ -113,6 +113,12 @@ def launch_holder(
             pass
         starter.wait()
         raise HolderLaunchError("holder_timeout", f"no {directory / 'holder.json'} within {timeout_s} s") from None
+    return launched(directory, status)
+
+
+def launched(directory: Path, status: int) -> HolderInfo:
+    """What the holder of `directory` reported once its starter ended with `status`: its
+    holder.json, or the HolderLaunchError that says why there is none."""
     try:
         info = read_holder(directory)
     except HolderSpawnFailed as exc:

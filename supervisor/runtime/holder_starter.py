@@ -18,15 +18,13 @@ from pathlib import Path
 import structlog
 import trio
 
-from sandbox_supervisor.daemon.runtime.holder_launch import LAUNCH_TIMEOUT_S, HolderLaunchError, write_spec
+from sandbox_supervisor.daemon.runtime.holder_launch import LAUNCH_TIMEOUT_S, HolderLaunchError, launched, write_spec
 from sandbox_supervisor.daemon.runtime.holder_protocol import (
     HOLDER_FAILED,
     HolderInfo,
     HolderProtocolError,
-    HolderSpawnFailed,
     HolderSpec,
     LineSplitter,
-    read_holder,
 )
 
 log = structlog.get_logger("supervisor.holders")
@@ -52,15 +50,7 @@ class HolderStarter:
         with trio.CancelScope(shield=True):
             async with self._lock:
                 status = await self._ask(os.fsencode(directory))
-        try:
-            info = read_holder(directory)
-        except HolderSpawnFailed as exc:
-            raise HolderLaunchError(exc.code, exc.message) from None
-        except HolderProtocolError as exc:
-            raise HolderLaunchError(HOLDER_FAILED, str(exc)) from None
-        if info is None:
-            raise HolderLaunchError(HOLDER_FAILED, f"the holder ended (status {status}) without writing holder.json")
-        return info
+        return launched(directory, status)
 
     async def _ask(self, line: bytes) -> int:
         process = await self._server()
