@@ -168,7 +168,8 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
     ),
     UNKNOWN_CALL: (
         "An exec.* frame for a call_id without a spool directory (no command or process was "
-        "attempted under it, or its spool was pruned), or for a process the socket may not see."
+        "attempted under it, or its spool was pruned), or for a command or process whose "
+        "events the socket may not see (its allowed_commands)."
     ),
     NOT_RUNNING: (
         "exec.signal for a command whose shell has exited, that ran under an earlier daemon "

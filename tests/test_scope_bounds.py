@@ -256,3 +256,36 @@ async def test_a_socket_limited_in_commands_sees_only_output_run_under_its_limit
     seen = [f for f in client.state.events.values() if f["kind"] != EVENT_WITHHELD]
     assert {f["kind"] for f in seen} == {"exec.started", "exec.output", "exec.completed", "tool.result"}
     assert SHELL_SECRET not in json.dumps(seen)
+
+
+async def test_a_socket_limited_in_commands_cannot_read_or_signal_a_command_run_without_its_limit(daemon):
+    """exec.read_output and exec.signal are bounded like the events (§9.1): a command the
+    control plane ran without allowed_commands is unknown to a socket limited to `echo`, running
+    or finished; the socket's own command (run under its limit) it reads and signals."""
+    client = daemon.client()
+    async with client.connect() as owner:
+        await owner.bootstrap(cwd=str(daemon.layout.workspace))
+        theirs = await owner.call("execute_shell_command", {"command": f"echo {SHELL_SECRET}; sleep 30"}, idempotency_key="k-o")
+        await owner.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == theirs)
+    client.scope = "shell:exec"
+    client.state.events.clear()
+    async with client.connect(ack_floor=0, claim_overrides={"allowed_commands": ["echo"]}) as worker:
+        await worker.bootstrap(cwd=str(daemon.layout.workspace))
+        for kind, body in (
+            ("exec.read_output", {"call_id": theirs, "stream": "stdout", "offset": 0, "length": 1024}),
+            ("exec.signal", {"call_id": theirs, "signal": "SIGKILL"}),
+        ):
+            await worker.send(kind, body)
+            answer = await worker.receive_until(lambda f: f["kind"] in ("error", "exec.output_page"))
+            assert answer["kind"] == "error" and answer["body"]["code"] == errors.UNKNOWN_CALL, answer
+            assert SHELL_SECRET not in json.dumps(answer)
+        mine = await worker.call("execute_shell_command", {"command": "echo mine-7"}, idempotency_key="k-w7")
+        assert (await worker.result(mine))["ok"]
+        await worker.send("exec.read_output", {"call_id": mine, "stream": "stdout", "offset": 0, "length": 1024})
+        page = await worker.receive_until(lambda f: f["kind"] == "exec.output_page")
+        assert page["body"]["data"] == "bWluZS03Cg=="  # base64 of "mine-7\n"
+    client.scope = "files:read files:write shell:exec session:control"
+    async with client.connect() as owner:
+        await owner.bootstrap(cwd=str(daemon.layout.workspace))
+        await owner.send("exec.signal", {"call_id": theirs, "signal": "SIGKILL"})  # still running: the worker could not
+        assert (await owner.exec_completed(theirs))["signal"] == "SIGKILL"

@@ -71,14 +71,18 @@ class Runtime:
             listed = [] if self.processes is None else self.processes.listing(audience)
             return ExecProcessesFrame(body=ExecProcessesBody.model_validate({"processes": listed}))
         call_id = frame.body.call_id
+        seen: bool | None  # an ended held process the socket may see (None: not a held one)
         if self.processes is not None:
             held = self.processes.find(call_id)
             if held is not None:
                 if not self.processes.may_act(held, audience):
                     return _error(errors.UNKNOWN_CALL, call_id)
                 return await self._held_frame(self.processes, held, frame)
-            if self.processes.may_see_ended(call_id, audience) is False:
-                return _error(errors.UNKNOWN_CALL, call_id)
+            seen = self.processes.may_see_ended(call_id, audience)
+        else:
+            seen = None
+        if seen is False or (seen is None and not self.shell.may_see(call_id, audience)):
+            return _error(errors.UNKNOWN_CALL, call_id)  # as for a call that does not exist
         if isinstance(frame, ExecSignalFrame):
             code = self.shell.signal_command(call_id, frame.body.signal)
             return None if code is None else _error(code, call_id)

@@ -32,7 +32,7 @@ from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, Signal
 from sandbox_supervisor.protocol.tools import ExecuteShellCommandParams, StartProcessParams, ToolCall
 from sandbox_supervisor.daemon.config import SYSTEM_PATH, SupervisorConfig
-from sandbox_supervisor.daemon.state.visibility import commands_origin
+from sandbox_supervisor.daemon.state.visibility import Audience, commands_origin, shell_view, visible
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
 from sandbox_supervisor.daemon.state.store import StateStore, StoreError
@@ -47,7 +47,14 @@ from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
-from sandbox_supervisor.daemon.runtime.spool import SpoolNotFound, read_range, spool_dir, stream_path
+from sandbox_supervisor.daemon.runtime.spool import (
+    SpoolNotFound,
+    read_origin,
+    read_range,
+    spool_dir,
+    stream_path,
+    write_origin,
+)
 
 log = structlog.get_logger("supervisor.shell")
 
@@ -356,6 +363,7 @@ class ShellRuntime:
     async def _spawn(self, call_id: str, params: ExecuteShellCommandParams, cwd: Path, ctx: CallContext) -> Command:
         env = build_environment(self.settings.base_env, ctx.agent_env, params.env, self.settings.account_env)
         login = uses_login_shell(self.settings.login_shell, ctx.allowed_commands)
+        origin = commands_origin(ctx.allowed_commands)
         try:
             output = CommandOutput.open(
                 self.settings.state_dir,
@@ -363,10 +371,17 @@ class ShellRuntime:
                 self.settings.output_limits(),
                 self.journal,
                 self.telemetry,
-                commands_origin(ctx.allowed_commands),
+                origin,
             )
         except OSError as exc:
             raise start_failure(exc) from None
+        if origin is not None:
+            try:
+                # Who may read or signal it later, once it is no longer in memory (§9.1).
+                write_origin(self.settings.state_dir, call_id, origin)
+            except OSError as exc:
+                output.close()
+                raise start_failure(exc) from None
         cgroup: CommandCgroup | None = None
         try:
             cgroups = self.settings.cgroups
@@ -501,6 +516,14 @@ class ShellRuntime:
             return errors.NOT_RUNNING
         command.send_signal(SIGNALS[signame])
         return None
+
+    def may_see(self, call_id: str, audience: Audience | None) -> bool:
+        """Whether a socket may read or signal this command (docs/protocol.md §9.1): its output
+        is shown to sockets without an allowed_commands limit, and to those whose limit is
+        the very one it ran under."""
+        if audience is None or audience.sees_everything or audience.commands is None:
+            return True
+        return visible(shell_view(read_origin(self.settings.state_dir, call_id)), audience)
 
     def known_call(self, call_id: str) -> bool:
         return spool_dir(self.settings.state_dir, call_id).is_dir()

@@ -5,6 +5,8 @@ Layout, one directory per call under the state directory:
     <state_dir>/spool/<call_id>/stdout          the bytes, as the command wrote them
     <state_dir>/spool/<call_id>/stdout.state    {"ended","total","kept","truncated"} (JSON)
     <state_dir>/spool/<call_id>/stderr, stderr.state
+    <state_dir>/spool/<call_id>/origin          only for a command run under allowed_commands:
+                                                its origin, who may read it (§9.1)
 
 Decisions:
 - No meta.json: what the call was (command, cwd, context) lives in the store with its
@@ -57,6 +59,8 @@ __all__ = [
     "seal_stream",
     "spool_usage",
     "spool_dir",
+    "read_origin",
+    "write_origin",
     "stream_path",
     "temporary_beside",
 ]
@@ -107,6 +111,26 @@ def stream_path(state_dir: str | os.PathLike[str], call_id: str, stream: str) ->
     if stream not in STREAMS:
         raise ValueError(f"not a stream: {stream!r}")
     return spool_dir(state_dir, call_id) / stream
+
+
+# Who may read a command's spool (docs/protocol.md §9.1): the origin of the allowed_commands
+# it ran under, written only for a command that had such a limit (none: no limit), so a
+# command of the control plane's own costs no extra file.
+ORIGIN_FILE = "origin"
+
+
+def write_origin(state_dir: str | os.PathLike[str], call_id: str, origin: str) -> None:
+    fd = os.open(spool_dir(state_dir, call_id) / ORIGIN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(origin)
+
+
+def read_origin(state_dir: str | os.PathLike[str], call_id: str) -> str | None:
+    """The origin a command's spool records, None when it ran without a limit."""
+    try:
+        return (spool_dir(state_dir, call_id) / ORIGIN_FILE).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
 
 
 def remove_spool(state_dir: str | os.PathLike[str], call_id: str) -> None:
