@@ -589,3 +589,31 @@ async def test_a_held_process_killed_by_its_memory_limit_says_so(tmp_path, autho
             completed = await _held_completed(session, call_id)
     assert completed["signal"] == "SIGKILL" and completed["oom_killed"] is True
     ExecCompletedBody.model_validate(completed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_stop_ends_what_an_ended_held_process_left_in_its_cgroup(tmp_path, authority, mode):
+    """The process exited, but a child it started with setsid runs on (and keeps its holder,
+    which owns the pipes, alive): a stop ends the child too, as it does a command's."""
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {"kill_grace_ms": 300}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        leaves = "setsid -f sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped.pid; exec sleep 300'; exit 0"
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                call_id = await session.call("start_process", {"command": leaves}, idempotency_key="h-left")
+                assert (await session.result(call_id))["ok"]
+                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                pid_file = layout.workspace / "escaped.pid"
+                with trio.fail_after(DEADLINE_S):
+                    while not pid_file.exists():
+                        await trio.sleep(POLL_S)
+                escaped = int(pid_file.read_text())
+                assert alive(escaped)
+        try:
+            await wait_dead(escaped)  # the daemon's stop ended it
+        finally:
+            kill_quietly(escaped)

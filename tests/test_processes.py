@@ -297,3 +297,19 @@ async def test_a_holder_killed_while_its_process_is_silent_is_reported_at_once(s
     assert body["interrupted"] is True and body["exit_code"] is None
     stat = read_stat(started["pid"])
     assert stat is None or stat.state == "Z"  # its group was killed with the report
+
+
+async def test_output_after_the_exit_still_arrives_live_as_after_exit(session, daemon, log_lines):
+    """A background child keeps writing after the process exited: its output follows the
+    process's exec.completed as after_exit events, and following the process does not fail."""
+    client = session.client
+    call_id, _ = await start(session, "(sleep 0.5; echo late) & echo early; exit 0", "p-late")
+    body = await completed(session, client, call_id)
+    assert body["exit_code"] == 0
+    await wait_output(session, client, call_id, "late\n")
+    late = [e for e in events_of(client, call_id, "exec.output") if "late" in e["text"]]
+    assert late and all(e["after_exit"] for e in late)
+    seqs = {f["body"].get("text"): seq for seq, f in client.state.events.items() if f["body"].get("call_id") == call_id}
+    completed_seq = next(seq for seq, f in client.state.events.items() if f["kind"] == "exec.completed" and f["body"]["call_id"] == call_id)
+    assert seqs["late\n"] > completed_seq
+    assert not [line for line in log_lines() if line["event"] == "process.tend_crashed"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -336,7 +337,8 @@ class ProcessHost:
             deadlines = [t / 1000 for t in (live.next_flush_at() for live in process.live.values()) if t is not None]
             if not process.ended.is_set():
                 deadlines.append(end_due)
-            with trio.move_on_at(min(deadlines) + CLOCK_EPSILON_S):
+            # Nothing due (ended, nothing buffered): only the holder's next event wakes it.
+            with trio.move_on_at(min(deadlines) + CLOCK_EPSILON_S if deadlines else math.inf):
                 await process.wake.wait()
 
     def _flush(self, process: HeldProcess, now_ms: float, *, final: bool, after_exit: bool) -> None:
@@ -543,6 +545,13 @@ class ProcessHost:
                 if holder_alive(record):  # the same process (pid and start time), not a reuse
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(record.holder_pid, signal.SIGKILL)
+        for process in self.processes.values():
+            if process.cgroup is not None:
+                # What outlived its process in its cgroup (a child it started with setsid,
+                # which also keeps the holder reading its pipes): ended with the rest, as a
+                # command's descendants are (§10.1). Without cgroups such a child escapes, as
+                # it escapes a command's process group.
+                process.cgroup.kill()
         for cgroup in self.lingering:
             cgroup.kill()
             cgroup.remove()
