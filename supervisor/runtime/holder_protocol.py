@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import math
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
-from sandbox_supervisor.daemon.runtime.spool import temporary_beside
+from sandbox_supervisor.daemon.runtime.spool import replace_atomically
 from sandbox_supervisor.protocol.plain import STREAMS, Stream
 
 __all__ = [
@@ -321,24 +320,7 @@ def write_json_atomic(path: Path, document: dict[str, Any], *, durable: bool = F
     `durable`: fsync the file before the rename and the directory after, so the record
     survives a power loss once this returns (exit.json: an exit status is reported once).
     """
-    fd, temporary = temporary_beside(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, sort_keys=True)
-            if durable:
-                handle.flush()
-                os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-    if durable:
-        directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+    replace_atomically(path, json.dumps(document, sort_keys=True), durable=durable)
 
 
 def read_holder(directory: Path) -> HolderInfo | None:

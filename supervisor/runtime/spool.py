@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sandbox_supervisor.protocol.plain import STREAMS, UUID_PATTERN
+from sandbox_supervisor.daemon.state.fsutil import fsync_directory
 
 __all__ = [
     "SpoolNotFound",
@@ -62,6 +63,7 @@ __all__ = [
     "read_origin",
     "write_origin",
     "stream_path",
+    "replace_atomically",
     "temporary_beside",
 ]
 
@@ -157,18 +159,30 @@ def temporary_beside(target: Path) -> tuple[int, Path]:
             continue
 
 
-def _write_state(path: Path, state: StreamState) -> None:
-    """Replace the state sidecar atomically: a reader sees the old state or the new one."""
-    target = _state_path(path)
+def replace_atomically(target: Path, text: str, *, durable: bool = False) -> None:
+    """Replace `target` with `text` (a temporary file beside it, renamed over it): a reader
+    sees the old content or the new, never a torn one. `durable`: the file is fsynced before
+    the rename and the directory after, so the new content survives a power loss once this
+    returns."""
     fd, temporary = temporary_beside(target)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(state.to_json())
+            handle.write(text)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+    if durable:
+        fsync_directory(target.parent)
+
+
+def _write_state(path: Path, state: StreamState) -> None:
+    """Replace the state sidecar atomically: a reader sees the old state or the new one."""
+    replace_atomically(_state_path(path), state.to_json())
 
 
 def read_state(path: Path) -> StreamState | None:
