@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, nullcontext
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from cgroup_support import (
     v1_memory_unavailable,
 )
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, ExecCompletedBody
-from sandbox_supervisor.protocol.tools import parse_tool_call
 from sandbox_supervisor.daemon.runtime import cgroups
 from sandbox_supervisor.daemon.runtime.cgroups import (
     CgroupMounts,
@@ -40,11 +38,12 @@ from sandbox_supervisor.daemon.runtime.cgroups import (
 from sandbox_supervisor.daemon.runtime.processes import read_stat
 from sandbox_supervisor.daemon.runtime.recovery import kill_leftover_groups
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
-from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
+from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
 from sandbox_supervisor.testing.client import http_request
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
+from shell_support import shell_call
 
 DEADLINE_S = 10
 POLL_S = 0.02
@@ -218,24 +217,7 @@ class Rig:
     workspace: Path
 
     def running_call(self, command: str, **params: Any) -> RunningCall:
-        call = parse_tool_call(
-            {
-                "tool_name": "execute_shell_command",
-                "call_id": str(uuid.uuid4()),
-                "idempotency_key": f"k-{uuid.uuid4()}",
-                "parameters": {"command": command, **params},
-            }
-        )
-        context = CallContext(
-            session_id="session-1",
-            generation=1,
-            cwd=str(self.workspace),
-            agent_env={},
-            scopes=frozenset({"shell:exec"}),
-            allowed_paths=None,
-            allowed_commands=None,
-        )
-        return RunningCall(call, context)
+        return shell_call(self.workspace, command, **params)
 
     async def run(self, command: str, **params: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The tool result and the exec.completed body."""

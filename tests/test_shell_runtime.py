@@ -14,13 +14,13 @@ import pytest
 import trio
 
 from sandbox_supervisor.protocol import errors
-from sandbox_supervisor.protocol.tools import parse_tool_call
-from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
+from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.runtime.command_output import StreamOutput
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
+from shell_support import shell_call
 
 DEADLINE_S = 10
 POLL_S = 0.02
@@ -52,24 +52,7 @@ class Rig:
     telemetry: Counts
 
     def running_call(self, command: str, **params: Any) -> RunningCall:
-        call = parse_tool_call(
-            {
-                "tool_name": "execute_shell_command",
-                "call_id": str(uuid.uuid4()),
-                "idempotency_key": f"k-{uuid.uuid4()}",
-                "parameters": {"command": command, **params},
-            }
-        )
-        context = CallContext(
-            session_id="session-1",
-            generation=1,
-            cwd=str(self.workspace),
-            agent_env={},
-            scopes=frozenset({"shell:exec"}),
-            allowed_paths=None,
-            allowed_commands=None,
-        )
-        return RunningCall(call, context)
+        return shell_call(self.workspace, command, **params)
 
     async def run(self, command: str, **params: Any) -> dict[str, Any]:
         return await self.shell.execute(self.running_call(command, **params))
