@@ -18,6 +18,7 @@ UNREAD_RESULTS = 96
 PAGE_TEXT = "x" * 60_000
 KILL_GRACE_MS = 200
 STUBBORN = "trap '' TERM; echo ready; sleep 30"
+STOP_SLACK_S = 5.0
 
 
 def finished(process: DaemonProcess, tool: str) -> set[str]:
@@ -96,8 +97,9 @@ async def test_a_client_that_never_reads_costs_the_drain_its_budget_only(tmp_pat
             process.send_signal(signal.SIGTERM)
             assert await process.wait(timeout=30) == 0
             elapsed = trio.current_time() - started
-        # The grace, the flush and the close handshake, plus a start-up's worth of slack.
-        assert elapsed < KILL_GRACE_MS / 1000 + 2 * budget + 2.0
+        # The grace, the flush and the close handshake, plus slack for a loaded machine: far
+        # below the 30 s a flush without a budget would wait for this client.
+        assert elapsed < KILL_GRACE_MS / 1000 + 2 * budget + STOP_SLACK_S
         incomplete = [e for e in process.log_events() if e.get("event") == "drain.flush_incomplete"]
         assert len(incomplete) == 1 and incomplete[0]["budget_s"] == budget
         behind, last_seq = incomplete[0]["cursors"], incomplete[0]["last_seq"]
