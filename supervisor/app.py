@@ -449,7 +449,8 @@ async def run_supervisor(
 
 async def drain(daemon: Daemon) -> None:
     """Refuse new upgrades; end running commands (SIGTERM, SIGKILL after the grace) so their
-    completions are journaled; then close every socket with 1001 within the drain budget."""
+    completions are journaled; send every socket what the journal holds, within the drain
+    budget; then close every socket with 1001 within the drain budget."""
     status = daemon.status
     if status.lifecycle is Lifecycle.SERVING:
         status.lifecycle = Lifecycle.DRAINING
@@ -466,8 +467,19 @@ async def drain(daemon: Daemon) -> None:
         # have exited; give them a moment beyond the completion grace.
         with trio.move_on_after(STOP_COMPLETION_BUDGET_S):
             await daemon.shell.wait_calls_completed()
+    # Closing a socket cancels its sender, wherever it is: a result journaled a moment ago
+    # (or a backlog a slow client has not read yet) would never be sent, and a send cut off
+    # mid-frame corrupts the stream before the close frame. So every sender first catches up
+    # with the journal, within the budget; past it the client gets the rest by replay.
+    budget = daemon.config.websocket.drain_budget_s
+    last_seq = daemon.journal.last_seq
+    with trio.move_on_after(budget) as flush:
+        await daemon.hub.flush_all(last_seq)
+    if flush.cancelled_caught:
+        behind = sorted(c.sender.cursor for c in daemon.hub.open if c.sender is not None and not c.sender.stopped)
+        log.warning("drain.flush_incomplete", last_seq=last_seq, cursors=behind, budget_s=budget)
     daemon.hub.close_all(closes.CLOSE_GOING_AWAY, closes.STOPPING_REASON)
-    with trio.move_on_after(daemon.config.websocket.drain_budget_s):
+    with trio.move_on_after(budget):
         await daemon.hub.wait_all_closed()
 
 

@@ -56,7 +56,6 @@ __all__ = [
     "read_range",
     "read_state",
     "remove_spool",
-    "prune_spools",
     "seal_stream",
     "spool_usage",
     "spool_dir",
@@ -380,29 +379,21 @@ def spool_usage(state_dir: str | os.PathLike[str]) -> list[SpoolUsage]:
     for entry in entries:
         if not (entry.is_dir(follow_symlinks=False) and _CALL_ID.fullmatch(entry.name)):
             continue
-        size, mtime = 0, entry.stat(follow_symlinks=False).st_mtime
-        for item in os.scandir(entry.path):
-            info = item.stat(follow_symlinks=False)
+        # Files come and go while running commands write (a `.state` is replaced through a
+        # temporary file beside it), and a spool may be removed meanwhile: what vanished
+        # between the listing and its stat is simply not counted.
+        try:
+            size, mtime = 0, entry.stat(follow_symlinks=False).st_mtime
+            items = list(os.scandir(entry.path))
+        except FileNotFoundError:
+            continue
+        for item in items:
+            try:
+                info = item.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
             size += info.st_size
             mtime = max(mtime, info.st_mtime)
         usage.append(SpoolUsage(entry.name, size, mtime))
     usage.sort(key=lambda u: (u.mtime, u.call_id))
     return usage
-
-
-def prune_spools(state_dir: str | os.PathLike[str], cap_bytes: int, keep: set[str]) -> tuple[list[str], int]:
-    """Delete the oldest spools not in `keep` until all of them fit in `cap_bytes`.
-    Returns (call ids removed, bytes left). Spools in `keep` (commands still running or
-    still read by the daemon) are never removed, even if they alone exceed the cap."""
-    usage = spool_usage(state_dir)
-    total = sum(u.bytes for u in usage)
-    removed = []
-    for item in usage:
-        if total <= cap_bytes:
-            break
-        if item.call_id in keep:
-            continue
-        remove_spool(state_dir, item.call_id)
-        removed.append(item.call_id)
-        total -= item.bytes
-    return removed, total
