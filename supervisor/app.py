@@ -47,6 +47,7 @@ from sandbox_supervisor.daemon.runtime.registry import bind_tools
 from sandbox_supervisor.daemon.session.bootstrap import BindingRules
 from sandbox_supervisor.daemon.session.hub import SessionHub
 from sandbox_supervisor.daemon.session.socket import SessionServices, SocketSettings, serve_control_socket
+from sandbox_supervisor.daemon.state.integrity import StateRefused
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore, StoreError
 from sandbox_supervisor.daemon.status import (
@@ -490,6 +491,11 @@ def serve_main(config: SupervisorConfig) -> int:
         return trio.run(run_supervisor, config)
     except StartupError as exc:
         log.error("supervisor.bad_configuration", problem=str(exc))
+        return EXIT_CONFIG
+    except StateRefused as exc:
+        # Never a silent fresh start, never a traceback: one line saying what is wrong and
+        # what the operator can do (docs/operations.md, "Faults and what the daemon does").
+        log.error("supervisor.state_refused", problem=exc.problem, detail=exc.detail, action=exc.action)
         return EXIT_CONFIG
     except OSError as exc:
         log.error("supervisor.start_failed", error=str(exc))

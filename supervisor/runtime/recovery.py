@@ -9,6 +9,7 @@ output it had spooled); a tool without one is reported interrupted.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import structlog
@@ -16,7 +17,7 @@ import structlog
 from sandbox_supervisor.protocol.fields import STREAMS
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups
-from sandbox_supervisor.daemon.runtime.spool import seal_stream, stream_path
+from sandbox_supervisor.daemon.runtime.spool import remove_leftover_temporaries, seal_stream, stream_path
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.tool import Recovered, RecoveryEnv, interrupted, result_body
@@ -57,6 +58,21 @@ def kill_leftover_groups(store: StateStore, state_dir: Path, cgroups: Cgroups | 
     return killed
 
 
+def remove_spool_leftovers(store: StateStore, state_dir: Path, started_at: float) -> int:
+    """Remove the empty temporary files a kill left in the spool (spool.temporary_beside's),
+    except in the directories of held processes not known ended: their holders may be alive
+    and writing one right now (docs/operations.md, "Faults and what the daemon does")."""
+    live = {record.call_id for record in store.held_processes() if record.exit_json is None}
+    try:
+        removed = remove_leftover_temporaries(state_dir, keep=live, older_than=started_at)
+    except OSError as exc:  # a courtesy, never a reason not to start
+        log.warning("recovery.leftovers_failed", error=str(exc))
+        return 0
+    if removed:
+        log.info("recovery.leftovers_removed", where="spool", files=removed)
+    return removed
+
+
 def _not_finished(record: CallRecord) -> Recovered:
     return Recovered(result_body(record.call_id, record.key, record.tool_name, error=interrupted(NOT_FINISHED_MESSAGE)))
 
@@ -75,12 +91,15 @@ def recover_pending_calls(
     daemon's opened agent.cwd, which recovered patches resolve from (a private one when
     None, closed at the end). `cgroups`: the daemon's, whose leftover command cgroups are
     killed and removed too."""
+    started_at = time.time()
     kill_leftover_groups(store, state_dir, cgroups)
+    remove_spool_leftovers(store, state_dir, started_at)
     own_roots = roots is None
     if roots is None:
         roots = WorkspaceRoots()
     try:
-        return _recover_all(store, RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner, roots=roots))
+        env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner, roots=roots, started_at=started_at)
+        return _recover_all(store, env)
     finally:
         if own_roots:
             roots.close()

@@ -55,6 +55,7 @@ __all__ = [
     "StreamState",
     "read_range",
     "read_state",
+    "remove_leftover_temporaries",
     "remove_spool",
     "seal_stream",
     "spool_usage",
@@ -145,12 +146,18 @@ def _state_path(path: Path) -> Path:
     return path.with_name(path.name + STATE_SUFFIX)
 
 
+# temporary_beside's names: `.<target name>.<12 hex>.tmp`, and only those (recovery removes
+# what a killed writer left, remove_leftover_temporaries).
+_TEMPORARY_RANDOM_BYTES = 6
+_TEMPORARY_NAME = re.compile(rf"\..+\.[0-9a-f]{{{2 * _TEMPORARY_RANDOM_BYTES}}}\.tmp", re.DOTALL)
+
+
 def temporary_beside(target: Path) -> tuple[int, Path]:
     """A new file (0600, opened for writing) next to `target`, to be renamed over it: what
     tempfile.mkstemp makes, without importing tempfile and random, which would cost the
     per-process holder 0.8 MiB of private memory and a few milliseconds of every start."""
     while True:
-        candidate = target.with_name(f".{target.name}.{os.urandom(6).hex()}.tmp")
+        candidate = target.with_name(f".{target.name}.{os.urandom(_TEMPORARY_RANDOM_BYTES).hex()}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(candidate, flags, _FILE_MODE), candidate
@@ -177,6 +184,39 @@ def replace_atomically(target: Path, text: str, *, durable: bool = False) -> Non
         raise
     if durable:
         fsync_directory(target.parent)
+
+
+def remove_leftover_temporaries(
+    state_dir: str | os.PathLike[str], *, keep: set[str], older_than: float
+) -> int:
+    """Remove the temporary files (`temporary_beside`'s) that a writer killed between their
+    creation and their rename left in the spool (the daemon's `.state` sidecars, a holder's
+    records); returns how many. Not in the directories of `keep` (calls whose holder may be
+    alive and writing), and only files last changed before `older_than` (this daemon's start:
+    nothing of its own is older). Nothing else in the spool matches the name."""
+    removed = 0
+    try:
+        calls = os.scandir(Path(state_dir) / SPOOL_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    with calls:
+        for call in calls:
+            if call.name in keep or not _CALL_ID.fullmatch(call.name) or not call.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with os.scandir(call.path) as entries:
+                    for entry in entries:
+                        if not _TEMPORARY_NAME.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                            continue
+                        try:
+                            if entry.stat(follow_symlinks=False).st_mtime < older_than:
+                                os.unlink(entry.path)
+                                removed += 1
+                        except FileNotFoundError:
+                            continue  # renamed or removed by its writer meanwhile
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # pruned meanwhile
+    return removed
 
 
 def _write_state(path: Path, state: StreamState) -> None:
