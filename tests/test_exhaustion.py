@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import trio
 
+from sandbox_supervisor.daemon.edge import server
 from sandbox_supervisor.daemon.runtime.failures import os_failure
 from sandbox_supervisor.daemon.runtime.processes import group_members
 from sandbox_supervisor.daemon.runtime.shell import start_failure
@@ -149,6 +150,59 @@ async def test_tools_answer_resource_exhausted_when_descriptors_run_out_and_a_re
             assert (layout.workspace / "g.txt").read_text() == "x\n"
         assert await process.stop() == 0
     assert_json_log(process)
+
+
+async def test_accept_backs_off_while_descriptors_run_out_and_logs_one_json_line(tmp_path, authority):
+    """trio's own accept loop logged each EMFILE through `logging`, ten times a second, as
+    multi-line text with a traceback."""
+    layout = make_layout(tmp_path / "d", authority=authority)
+    async with running_daemon(layout) as process:
+        client = process.running.client()
+        connected = trio.Event()
+
+        async def connect() -> None:
+            async with client.connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                connected.set()
+
+        async with trio.open_nursery() as nursery:
+            with descriptors_exhausted(process.proc.pid):
+                nursery.start_soon(connect)
+                # The connection waits in the backlog while accept fails, well past the
+                # first back-off steps.
+                with trio.fail_after(10):
+                    while "http.accept_failed" not in process.log_text():
+                        await trio.sleep(0.05)
+                await trio.sleep(server.ACCEPT_BACKOFF_INITIAL_S * 8)
+                assert not connected.is_set()
+                assert process.returncode is None
+            # Accepted within one back-off once descriptors are back.
+            with trio.fail_after(server.ACCEPT_BACKOFF_MAX_S + 5):
+                await connected.wait()
+        assert await process.stop() == 0
+    events = assert_json_log(process)
+    failed = [e for e in events if e["event"] == "http.accept_failed"]
+    # Several failed accepts (back-off 0.1, 0.2, 0.4 … s), one line for the interval.
+    assert len(failed) == 1 and failed[0]["errno"] == "EMFILE"
+
+
+def test_accept_back_off_doubles_up_to_its_maximum() -> None:
+    waits = [server.next_accept_backoff(None)]
+    for _ in range(10):
+        waits.append(server.next_accept_backoff(waits[-1]))
+    assert waits[0] == server.ACCEPT_BACKOFF_INITIAL_S
+    assert waits == sorted(waits) and waits[-1] == server.ACCEPT_BACKOFF_MAX_S
+
+
+def test_accept_failures_are_logged_once_per_interval_with_the_rest_counted(log_lines) -> None:
+    failures = server.AcceptFailures()
+    for _ in range(5):
+        failures.note(OSError(errno.EMFILE, "Too many open files"), 0.1)
+    failures.note(OSError(errno.ENFILE, "Too many open files in system"), 0.1)
+    assert failures.drain() == {"EMFILE": 4, "ENFILE": 1}
+    failures.note(OSError(errno.ENOBUFS, "No buffer space available"), 0.1)
+    logged = [line for line in log_lines() if line["event"] == "http.accept_failed"]
+    assert [line["errno"] for line in logged] == ["EMFILE", "ENOBUFS"]
 
 
 @pytest.mark.parametrize("number", [errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM, errno.ENOSPC])
