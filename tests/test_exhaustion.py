@@ -283,3 +283,28 @@ async def test_a_stop_while_descriptors_run_out_ends_the_commands_and_exits_0(tm
     assert group_members(started["body"]["pgid"]) == []
     events = assert_json_log(process)
     assert [e["exit_code"] for e in events if e["event"] == "supervisor.stopped"] == [0]
+
+
+def test_a_group_counts_as_alive_while_proc_cannot_be_read(monkeypatch) -> None:
+    """group_alive raised OSError out of the task that asked (and ended the daemon) when
+    /proc could not be listed, and answered "gone" when its members' stat files could not
+    be opened."""
+    from sandbox_supervisor.daemon.runtime import processes
+
+    sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert processes.group_alive(sleeper.pid)
+
+        def no_descriptor(*_args: object, **_kwargs: object) -> Any:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(type(processes.PROC), "iterdir", no_descriptor)
+            assert processes.group_alive(sleeper.pid)
+        with monkeypatch.context() as patched:
+            patched.setattr(type(processes.PROC), "read_text", no_descriptor)
+            assert processes.group_alive(sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not processes.group_alive(sleeper.pid)

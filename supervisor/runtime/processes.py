@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,12 +83,17 @@ def start_ticks(pid: int) -> int | None:
 
 
 def group_members(pgid: int) -> list[ProcStat]:
-    """Live (non-zombie) processes whose process group is `pgid`. OSError when /proc cannot
-    be read whole (no descriptor left to open it, say)."""
+    """Live (non-zombie) processes whose process group is `pgid` (OSError when /proc cannot
+    be listed). A member whose stat cannot be read is left out, as kill_leftover_group's
+    callers have always had it; group_alive scans with _scan_stat, which fails instead."""
+    return _members(pgid, read_stat)
+
+
+def _members(pgid: int, read: Callable[[int], ProcStat | None]) -> list[ProcStat]:
     members = []
     for entry in PROC.iterdir():
         if entry.name.isdigit():
-            stat = _scan_stat(int(entry.name))
+            stat = read(int(entry.name))
             if stat is not None and stat.pgrp == pgid and stat.state != "Z":
                 members.append(stat)
     return members
@@ -119,9 +125,10 @@ def group_alive(pgid: int) -> bool:
     except (ProcessLookupError, PermissionError):
         # PermissionError: the pgid now belongs to another user's processes, not ours.
         return False
-    # killpg(…, 0) also succeeds for zombies that nobody has reaped yet: look closer.
+    # killpg(…, 0) also succeeds for zombies that nobody has reaped yet: look closer, with
+    # a scan that fails rather than miss a member it could not read.
     try:
-        return bool(group_members(pgid))
+        return bool(_members(pgid, _scan_stat))
     except OSError:
         return True
 
