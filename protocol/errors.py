@@ -40,6 +40,7 @@ SESSION_MISMATCH = "session_mismatch"
 ACK_FLOOR_AHEAD = "ack_floor_ahead"
 STALE_GENERATION = "stale_generation"
 STATE_UNAVAILABLE = "state_unavailable"
+STORAGE_FULL = "storage_full"
 UPGRADE_REQUIRED = "upgrade_required"
 # Same text as NOT_FOUND, but a different meaning (an HTTP route, not a file); two names keep
 # the call sites honest about which one they mean.
@@ -73,7 +74,12 @@ HTTP_ERRORS: dict[str, tuple[int, str]] = {
     ACK_FLOOR_AHEAD: (409, "The event ack floor is ahead of the supervisor's journal."),
     STALE_GENERATION: (409, "The connection generation is stale."),
     STATE_UNAVAILABLE: (500, "The supervisor could not record the connection."),
+    STORAGE_FULL: (503, "The supervisor's state directory is full; retry later."),
 }
+# Seconds a `storage_full` refusal asks the client to wait (its Retry-After header): the
+# supervisor retries its own writes every second, so a few seconds is when a freed disk is
+# in use again, without a control plane hammering a disk that stays full.
+STORAGE_FULL_RETRY_AFTER_S = 5
 # The codes a `tool.result` with ok:false may carry (docs/protocol.md §7.6).
 TOOL_ERROR_CODES = frozenset(
     {
@@ -145,6 +151,12 @@ HTTP_ERROR_MEANINGS: dict[str, str] = {
         "The state database could not be read for the gate's checks, or the admission could "
         "not be recorded."
     ),
+    STORAGE_FULL: (
+        "The admission could not be recorded because the state directory's file system is "
+        "full, or the supervisor started on a full disk and waits for space to open its state; "
+        "nothing was recorded. Sent with Retry-After (seconds); the same upgrade (a new "
+        "attempt and assertion) succeeds once space is freed, without a restart."
+    ),
 }
 
 # The codes an `error` frame may carry (docs/protocol.md §6.5; not journaled, the socket stays
@@ -179,8 +191,8 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
     ),
     NOT_A_TERMINAL: "exec.resize for a process started without a pty.",
     INTERNAL: (
-        "The state database refused to record a call (nothing ran), its result (the message "
-        "says whether to retry with the same key), or an events.ack (send it again)."
+        "The state database refused to record a call (nothing ran) or its result (the message "
+        "says whether to retry with the same key)."
     ),
 }
 

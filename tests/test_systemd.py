@@ -129,6 +129,16 @@ def test_service_is_a_notify_daemon_with_watchdog_reload_and_restart_policy() ->
     assert one(unit, "Install", "WantedBy") == "multi-user.target"
 
 
+def test_the_restart_policy_never_gives_up_after_a_passing_fault() -> None:
+    """A start limit would leave the sandbox without a supervisor once a passing fault (a full
+    disk, a JWKS file provisioned late) had made it restart often enough, and nothing would
+    start it again when the fault is gone: the rate limit is off, and RestartSec paces."""
+    unit = parse_unit(SERVICE)
+    assert one(unit, "Unit", "StartLimitIntervalSec") == "0"
+    assert "StartLimitBurst" not in unit["Unit"]  # meaningless without an interval
+    assert 0 < seconds(one(unit, "Service", "RestartSec")) <= 5
+
+
 def test_stop_timeout_covers_the_kill_grace_and_the_drain() -> None:
     unit = parse_unit(SERVICE)
     # SIGTERM to the daemon alone, and nothing else from systemd: held processes outlive a

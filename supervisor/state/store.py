@@ -8,6 +8,7 @@ committed transaction survive a `kill -9` of the process (docs/protocol.md §9).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -247,6 +248,26 @@ class StoreError(Exception):
     answers 500 state_unavailable, a frame gets `internal`)."""
 
 
+class StoreFull(StoreError):
+    """The write failed because the state directory's file system is full (SQLITE_FULL, or
+    sqlite could not grow its shared-memory index): a passing fault, gone once space is freed.
+    Callers that can wait answer it with a retry rather than an error (docs/operations.md,
+    "Faults and what the daemon does")."""
+
+
+# What sqlite says when the file system has no room: SQLITE_FULL for a write (its unix VFS
+# maps ENOSPC to it), SQLITE_IOERR_SHMSIZE when the -shm index of a WAL database cannot be
+# grown, which is what opening the database on a full disk fails with.
+_FULL_ERRORS = frozenset({"SQLITE_FULL", "SQLITE_IOERR_SHMSIZE"})
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def store_error(message: str, exc: BaseException) -> StoreError:
+    """The StoreError for `exc`: StoreFull when it says the disk is full."""
+    full = getattr(exc, "sqlite_errorname", None) in _FULL_ERRORS or getattr(exc, "errno", None) in _FULL_ERRNOS
+    return (StoreFull if full else StoreError)(f"{message}: {exc}")
+
+
 class StoreRefusal(Exception):
     """The store refused a write its rules forbid; nothing changed. Never a fault, and so
     never a StoreError: a refusal must not turn into a 500 or an `internal`."""
@@ -436,7 +457,7 @@ class StateStore:
                 check_same_thread=False,  # guarded by self._lock instead
             )
         except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open state database {path}: {exc}") from exc
+            raise store_error(f"cannot open state database {path}", exc) from exc
         store = cls(conn, path, retention)
         try:
             store._configure()
@@ -468,7 +489,7 @@ class StateStore:
             # is the guarantee docs/protocol.md §9 gives, at a fraction of FULL's cost.
             self._conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot configure state database: {exc}") from exc
+            raise store_error("cannot configure state database", exc) from exc
 
     def _migrate(self) -> None:
         with self._transaction() as conn:
@@ -478,6 +499,10 @@ class StateStore:
                     f"state database schema {version} is newer than this supervisor's "
                     f"{SCHEMA_VERSION}"
                 )
+            if version == SCHEMA_VERSION:
+                # Nothing to do, and nothing written: a start on a full disk must not fail
+                # on a header rewrite that changes nothing.
+                return
             for step in range(version, SCHEMA_VERSION):
                 for statement in _MIGRATIONS[step]:
                     if callable(statement):
@@ -503,7 +528,7 @@ class StateStore:
                 # cannot fail half way with SQLITE_BUSY; reads take a consistent snapshot.
                 conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot begin a transaction: {exc}") from exc
+                raise store_error("cannot begin a transaction", exc) from exc
             try:
                 yield conn
                 conn.execute("COMMIT")
@@ -513,7 +538,7 @@ class StateStore:
                 except sqlite3.Error:
                     pass  # the original error is the one worth reporting
                 if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"state database error: {exc}") from exc
+                    raise store_error("state database error", exc) from exc
                 raise
 
     # -- reads -----------------------------------------------------------------------------

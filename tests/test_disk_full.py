@@ -1,0 +1,172 @@
+"""A full state directory (docs/operations.md, "Faults and what the daemon does"): the daemon
+answers acks, upgrades and calls with typed answers while it is full, starts on it, and
+recovers by itself when space returns. The state directory is a real, small tmpfs mounted by
+the test (CI runs as root); without mount the tests are skipped with the reason."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from conftest import FAST_WEBSOCKET
+from sandbox_supervisor.protocol import errors
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.client import (
+    CallNotAnswered,
+    ControlClient,
+    Endpoint,
+    UpgradeRejected,
+    http_request,
+)
+from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout, running_daemon
+
+# Room for the database, its WAL and a few commands' spools, small enough to fill at once.
+TMPFS_SIZE = "4m"
+FILL_CHUNK = 64 * 1024
+# What the daemon takes to notice freed space (it retries every second), with room for a
+# loaded machine.
+RECOVERY_DEADLINE_S = 10.0
+POLL_S = 0.05
+ECHO = {"command": "echo hi"}
+
+
+@pytest.fixture
+def tmpfs_layout(tmp_path: Path, authority: LoopbackAuthority) -> Iterator[DaemonLayout]:
+    layout = make_layout(tmp_path / "daemon", authority=authority, websocket=dict(FAST_WEBSOCKET))
+    state = layout.state_dir
+    state.mkdir(mode=0o700)
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE},mode=0700", "tmpfs", str(state)],
+            check=True,
+            capture_output=True,
+        )
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", b"") or str(exc)
+        pytest.skip(f"needs a tmpfs mounted as the state directory (root and mount(8)): {detail!r}")
+    try:
+        yield layout
+    finally:
+        subprocess.run(["umount", "--lazy", str(state)], check=False, capture_output=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fill the file system of `directory` to the last byte; the filler file, to delete."""
+    path = directory / "filler"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        for chunk in (FILL_CHUNK, 1):  # then byte by byte, for what a chunk no longer fits
+            try:
+                while True:
+                    os.write(fd, b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return path
+
+
+async def rejected(client: ControlClient) -> UpgradeRejected:
+    with pytest.raises(UpgradeRejected) as refused:
+        async with client.connect():
+            pass
+    return refused.value
+
+
+async def test_while_full_acks_are_kept_upgrades_get_503_and_all_is_recorded_once_space_returns(
+    tmpfs_layout: DaemonLayout,
+) -> None:
+    layout = tmpfs_layout
+    async with in_process_daemon(layout) as daemon:
+        assert daemon.supervisor is not None
+        store = daemon.supervisor.store
+        client = daemon.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await session.call_and_wait("execute_shell_command", ECHO, idempotency_key="before")
+            floor = client.state.ack_floor
+            filler = fill(layout.state_dir)
+
+            # The ack is answered as any ack (nothing sent, the socket open): the ack_ahead
+            # error of the next one is the first frame back.
+            await session.ack(floor)
+            await session.send("events.ack", {"seq": floor + 1000})
+            frame = await session.receive()
+            assert frame["kind"] == "error" and frame["body"]["code"] == errors.ACK_AHEAD, frame
+            assert store.snapshot().ack_floor == 0  # not recorded, so nothing was pruned
+            assert daemon.supervisor.journal.deferred_ack == floor
+
+            # An upgrade cannot record its fence: a typed, passing refusal.
+            refusal = await rejected(client)
+            assert (refusal.status, refusal.error) == (503, errors.STORAGE_FULL)
+            assert refusal.header("retry-after") == str(errors.STORAGE_FULL_RETRY_AFTER_S)
+
+            # A call cannot be recorded: refused before it runs, its key left free.
+            with pytest.raises(CallNotAnswered) as refused:
+                await session.result(await session.call("execute_shell_command", ECHO, idempotency_key="during"))
+            assert refused.value.retryable
+
+            filler.unlink()
+            # The kept ack is written by the daemon itself, with no new ack from the client.
+            with trio.fail_after(RECOVERY_DEADLINE_S):
+                while store.snapshot().ack_floor != floor:
+                    await trio.sleep(POLL_S)
+            assert daemon.supervisor.journal.deferred_ack == 0
+
+            # The refused call runs now, once, under the key it was refused with.
+            result = await session.call_and_wait("execute_shell_command", ECHO, idempotency_key="during")
+            assert result["ok"] and result["result"]["exit_code"] == 0
+        async with client.connect() as session:  # the fence is recorded again
+            await session.bootstrap(cwd=str(layout.workspace))
+        results = [
+            frame for frame in client.state.events.values()
+            if frame["kind"] == "tool.result" and frame["body"].get("idempotency_key") == "during"
+        ]
+        assert len(results) == 1
+
+
+async def test_a_daemon_started_on_a_full_disk_serves_refusals_and_opens_its_state_when_space_returns(
+    tmpfs_layout: DaemonLayout,
+) -> None:
+    layout = tmpfs_layout
+    unix = Endpoint(unix=str(layout.unix_socket))  # outside the full tmpfs: no listening.json needed
+    async with running_daemon(layout) as process:
+        client = ControlClient(unix, layout.authority, sandbox_id=layout.sandbox_id)
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+        assert await process.stop() == 0  # a clean stop: sqlite removes its -wal and -shm
+        filler = fill(layout.state_dir)
+
+        await process.start(wait_ready=False)
+        with trio.fail_after(RECOVERY_DEADLINE_S):
+            while True:
+                assert process.returncode is None, process.log_text()
+                try:
+                    health = await http_request(unix, "GET", "/healthz")
+                    break
+                except OSError:
+                    await trio.sleep(POLL_S)
+        assert health.status == 503 and health.json()["status"] == "storage_full"
+        refusal = await rejected(client)
+        assert (refusal.status, refusal.error) == (503, errors.STORAGE_FULL)
+        assert refusal.header("retry-after") == str(errors.STORAGE_FULL_RETRY_AFTER_S)
+
+        filler.unlink()
+        with trio.fail_after(RECOVERY_DEADLINE_S):
+            while (await http_request(unix, "GET", "/healthz")).status != 200:
+                await trio.sleep(POLL_S)
+        async with client.connect() as session:
+            state = await session.bootstrap(cwd=str(layout.workspace))
+            assert state["body"]["sessionId"] == client.session_id  # the same state, bound
+            result = await session.call_and_wait("execute_shell_command", ECHO, idempotency_key="after")
+            assert result["ok"], result["error"]
+        assert process.returncode is None  # recovered without a restart
+    events = [event["event"] for event in process.log_events()]
+    assert "supervisor.storage_full" in events
+    assert events.count("supervisor.ready") == 2  # the first run, then this one once opened
