@@ -15,6 +15,9 @@ UNKNOWN_KIND = "unknown_kind"
 FORBIDDEN = "forbidden"
 GENERATION_MISMATCH = "generation_mismatch"
 ACK_AHEAD = "ack_ahead"
+# A tool.call refused because the journal holds more unacknowledged bytes than the cap
+# (journal.max_unacked_bytes, docs/protocol.md §9): nothing was recorded, the key is free.
+JOURNAL_FULL = "journal_full"
 UNKNOWN_CALL = "unknown_call"
 NOT_RUNNING = "not_running"
 NOT_A_TERMINAL = "not_a_terminal"
@@ -173,6 +176,11 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
         "connectionGeneration is not the fenced generation."
     ),
     ACK_AHEAD: "events.ack above the highest journaled seq; the floor is unchanged.",
+    JOURNAL_FULL: (
+        "A tool.call while the journal's unacknowledged events exceed journal.max_unacked_bytes "
+        "(the client does not ack what it receives): nothing was recorded or run, the key is "
+        "free; ack the events received, then send the call again."
+    ),
     FORBIDDEN: (
         "exec.* frames on a connection without the shell:exec scope; "
         "events.ack, or a session.bootstrap that would bind or rebind the session, on a "

@@ -31,6 +31,7 @@ from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.edge.activation import ActivationError, open_daemon_listeners
 from sandbox_supervisor.daemon.edge.server import BoundListeners, FrontLimits, remove_unix_paths, serve
 from sandbox_supervisor.daemon.ops.health import HTTP_UNAVAILABLE, health_response
+from sandbox_supervisor.daemon.ops.maintenance import give_space_back
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime import cgroups as cgroup_modes
@@ -264,7 +265,15 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     if status.session is not None:
         roots.prepare(status.session.agent.cwd)
     status.on_bound = lambda body: roots.prepare(body.agent.cwd)
-    calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry, roots=roots)
+    calls = CallRunner(
+        daemon.store,
+        daemon.journal,
+        nursery,
+        tools,
+        telemetry=daemon.telemetry,
+        roots=roots,
+        max_unacked_bytes=config.journal.max_unacked_bytes,
+    )
     daemon.shell = shell
     daemon.processes = processes
     daemon.runtime = Runtime(calls, shell, processes)
@@ -278,6 +287,7 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
             idle_timeout_s=ws.idle_timeout_s,
             max_message_bytes=ws.max_message_bytes,
             drain_budget_s=ws.drain_budget_s,
+            write_timeout_s=ws.write_timeout_s,
             rejection_receipt_timeout_s=config.bootstrap.rejection_receipt_timeout_s,
             legacy_session_control=config.authority.legacy_session_control,
         ),
@@ -566,6 +576,7 @@ async def run_supervisor(
                 target.daemon = daemon
                 start_runtime(daemon, nursery)
                 nursery.start_soon(retry_deferred_acks, daemon.journal)
+                nursery.start_soon(give_space_back, daemon.store)
                 if front is None:
                     await nursery.start(serve, bound.listeners, DaemonFront(daemon), limits)
                     # Published once the daemon is ready (what READY=1 says): a script that

@@ -92,6 +92,7 @@ class SocketSettings:
     max_message_bytes: int
     drain_budget_s: float
     rejection_receipt_timeout_s: float
+    write_timeout_s: float = 60.0  # websocket.write_timeout_s
     # `authority.legacy_session_control`: every assertion holds session:control, as before
     # the scope existed (a transition for control planes that do not grant it yet).
     legacy_session_control: bool = False
@@ -322,6 +323,8 @@ class ControlSocket:
             cursor=self.conn.headers.event_ack,
             telemetry=services.telemetry,
             audience=self._socket_audience(),
+            write_timeout_s=services.settings.write_timeout_s,
+            on_stalled=lambda: self.conn.request_close(closes.CLOSE_INTERNAL_ERROR, closes.WRITE_TIMEOUT_REASON),
         )
         self._nursery.start_soon(self.sender.run)
 

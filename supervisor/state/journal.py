@@ -50,6 +50,9 @@ class Journal:
         # so this one floor stands for every ack received meanwhile. Written by the next
         # ack that succeeds or by `retry_deferred_ack`; 0: none deferred.
         self.deferred_ack = 0
+        # The bytes of the events above the recorded floor (the journal's bound, [journal]
+        # max_unacked_bytes): counted once here, then kept by appends and acks.
+        self.unacked_bytes = store.frame_bytes(snapshot.ack_floor)
 
     def frames_after(
         self, seq: int, limit: int, max_chars: int | None = None, audience: Audience | None = None
@@ -84,13 +87,19 @@ class Journal:
         if seq > self.last_seq:
             # Checked here too, so a deferred ack can never be one the store would refuse.
             raise AckAhead(f"ack {seq} is above the highest journaled seq {self.last_seq}")
+        previous = self.pruned_through
         try:
-            floor = self.store.raise_ack_floor(max(seq, self.deferred_ack))
+            target = max(seq, self.deferred_ack)
+            # Read before the floor moves (no await between: nothing appends meanwhile).
+            covered = self.store.frame_bytes(previous, target) if target > previous else 0
+            floor = self.store.raise_ack_floor(target)
         except StoreError:
             if seq > max(self.deferred_ack, self.pruned_through):
                 self.deferred_ack = seq
             raise
         self.deferred_ack = 0
+        if floor > previous:
+            self.unacked_bytes = max(0, self.unacked_bytes - covered)
         self.pruned_through = max(self.pruned_through, floor)
         self._trim_recent()
         return floor
@@ -123,7 +132,12 @@ class Journal:
         if rows:
             self.last_seq = max(self.last_seq, rows[-1].seq)
             self.recent.extend(rows)
-            self._recent_chars += sum(len(row.frame) for row in rows)
+            chars = sum(len(row.frame) for row in rows)
+            self._recent_chars += chars
+            # Frames are JSON, nearly always ASCII: then characters are bytes, no encoding.
+            self.unacked_bytes += sum(
+                len(row.frame) if row.frame.isascii() else len(row.frame.encode("utf-8")) for row in rows
+            )
             self._trim_recent()
         for wake in list(self._listeners):
             wake()

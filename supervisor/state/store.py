@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, TypeVar
 
+import structlog
+
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
 from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, OWNER_SPACE, CallKey
 from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
+
+log = structlog.get_logger("supervisor")
 
 DB_FILENAME = "supervisor.sqlite3"
 STATE_DIR_MODE = 0o700
@@ -33,6 +37,16 @@ DB_FILE_MODE = 0o600
 BUSY_TIMEOUT_S = 5.0
 SCHEMA_VERSION = 6
 
+# Space given back after pruning (docs/operations.md, "Disk use of the state directory"): the
+# database is in incremental auto-vacuum mode, and free pages are returned to the file system
+# in steps of this many pages (4 KiB each: 1 MiB), each its own short write transaction
+# (about 2-10 ms here), so the event loop never stalls on a large give-back.
+VACUUM_STEP_PAGES = 256
+AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
+# The WAL file is cut back to this size when a checkpoint resets it; without a limit it stays
+# at its largest size ever (a burst of output, a large give-back) for the daemon's life.
+JOURNAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
+
 # Retention of completed idempotency records (docs/protocol.md §8): a key is remembered for
 # this long after its call completed …
 DEFAULT_CALL_MAX_AGE_S = 24 * 3600.0
@@ -40,6 +54,15 @@ DEFAULT_CALL_MAX_AGE_S = 24 * 3600.0
 # many bytes; past it the oldest are forgotten first. Every keyed call stores its whole
 # tool.result, so without a bound a read-only holder could fill the disk with keyed reads.
 DEFAULT_CALL_MAX_RESULT_BYTES = 256 * 1024 * 1024
+
+# The journal's bound (config [journal] max_unacked_bytes): past this many bytes of events the
+# client has not acked, new tool calls are refused until it acks. A peer that calls but never
+# reads grows the journal by tens of MiB a minute; this caps it near the spool and retention
+# budgets, and is far above what a client that acks as it reads ever leaves unacked.
+DEFAULT_MAX_UNACKED_BYTES = 256 * 1024 * 1024
+
+# Above every seq (they are at most 2^53 - 1, docs/protocol.md §9).
+MAX_SEQ = 2**63 - 1
 
 # meta keys
 META_FENCE_GENERATION = "fence_generation"
@@ -462,6 +485,7 @@ class StateStore:
         try:
             store._configure()
             store._migrate()
+            store._enable_incremental_vacuum()
             store.prune_calls()
         except BaseException:
             conn.close()
@@ -482,12 +506,17 @@ class StateStore:
 
     def _configure(self) -> None:
         try:
+            # Before anything creates the file's first page (WAL mode does): a new database
+            # gets incremental auto-vacuum at no cost; an older one is converted once after
+            # the migrations (_enable_incremental_vacuum). On an existing file this is a no-op.
+            self._conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 raise StoreError(f"sqlite refused WAL mode (got {mode!r})")
             # NORMAL in WAL mode: a commit survives a process kill (not a power loss), which
             # is the guarantee docs/protocol.md §9 gives, at a fraction of FULL's cost.
             self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT_BYTES}")
         except sqlite3.Error as exc:
             raise store_error("cannot configure state database", exc) from exc
 
@@ -511,6 +540,60 @@ class StateStore:
                         conn.execute(statement)
             # PRAGMA arguments cannot be bound parameters; the value is our own int.
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _enable_incremental_vacuum(self) -> None:
+        """Convert a database created before incremental auto-vacuum, once: only a VACUUM
+        can (it rewrites the file: about 1 s for 85 MB here, and needs that much free space).
+        When it fails (a full disk) the daemon runs on without giving space back, and tries
+        again at the next start."""
+        conn = self._conn
+        try:
+            if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == AUTO_VACUUM_INCREMENTAL:
+                return
+            started = time.monotonic()
+            conn.execute("VACUUM")
+        except sqlite3.Error as exc:
+            log.warning("state.vacuum_failed", error=str(exc))
+            return
+        log.info("state.vacuumed", duration_s=round(time.monotonic() - started, 3), bytes=self.path.stat().st_size)
+
+    def free_pages(self) -> int:
+        """Pages of the database file that hold nothing (freed by pruning)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            try:
+                return int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+            except sqlite3.Error as exc:
+                raise store_error("cannot read the free page count", exc) from exc
+
+    def give_back_pages(self, pages: int = VACUUM_STEP_PAGES) -> int:
+        """Return up to `pages` free pages to the file system (one incremental-vacuum step, its
+        own transaction); the free pages left. A database without incremental auto-vacuum
+        returns none (the loop that calls this stops when nothing changes)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            conn = self._conn
+            if conn.in_transaction:
+                raise StoreError("state store transactions do not nest")
+            try:
+                # executescript steps the pragma to its end: execute() would free one page.
+                conn.executescript(f"PRAGMA incremental_vacuum({int(pages)});")
+                return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+            except sqlite3.Error as exc:
+                raise store_error("cannot give free pages back", exc) from exc
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database without waiting for readers (PASSIVE): the file
+        shrinks to what the vacuum left, and the WAL is cut back at its next reset."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            try:
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            except sqlite3.Error as exc:
+                raise store_error("cannot checkpoint", exc) from exc
 
     @contextmanager
     def _transaction(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
@@ -567,6 +650,16 @@ class StateStore:
             ack_floor=int(meta.get(META_ACK_FLOOR, 0)),
             oldest_retained_seq=oldest if oldest is not None else last_seq + 1,
         )
+
+    def frame_bytes(self, after: int, through: int | None = None) -> int:
+        """The UTF-8 bytes of the events with a seq above `after` (and up to `through`): the
+        unacknowledged journal when `after` is the floor, what an ack covers otherwise."""
+        with self._transaction(write=False) as conn:
+            row = conn.execute(
+                "SELECT COALESCE(SUM(length(CAST(frame_json AS BLOB))), 0) FROM events WHERE seq > ? AND seq <= ?",
+                (after, MAX_SEQ if through is None else through),
+            ).fetchone()
+        return int(row[0])
 
     def jti_seen(self, jti: str, now: float) -> bool:
         """True when `jti` is in the cache and not yet expired (expired rows are forgotten)."""
