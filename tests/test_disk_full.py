@@ -21,10 +21,11 @@ from sandbox_supervisor.testing.client import (
     CallNotAnswered,
     ControlClient,
     Endpoint,
+    HttpResponse,
     UpgradeRejected,
     http_request,
 )
-from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout, running_daemon
+from sandbox_supervisor.testing.daemon import DaemonLayout, DaemonProcess, in_process_daemon, make_layout, running_daemon
 
 # Room for the database, its WAL and a few commands' spools, small enough to fill at once.
 TMPFS_SIZE = "4m"
@@ -70,6 +71,18 @@ def fill(directory: Path) -> Path:
     finally:
         os.close(fd)
     return path
+
+
+async def first_health(process: DaemonProcess, unix: Endpoint) -> HttpResponse:
+    """The first /healthz answer of a daemon started without waiting for listening.json (a
+    full disk may refuse that file); fails if the daemon exits first."""
+    with trio.fail_after(RECOVERY_DEADLINE_S):
+        while True:
+            assert process.returncode is None, process.log_text()
+            try:
+                return await http_request(unix, "GET", "/healthz")
+            except OSError:
+                await trio.sleep(POLL_S)
 
 
 async def rejected(client: ControlClient) -> UpgradeRejected:
@@ -144,14 +157,7 @@ async def test_a_daemon_started_on_a_full_disk_serves_refusals_and_opens_its_sta
         filler = fill(layout.state_dir)
 
         await process.start(wait_ready=False)
-        with trio.fail_after(RECOVERY_DEADLINE_S):
-            while True:
-                assert process.returncode is None, process.log_text()
-                try:
-                    health = await http_request(unix, "GET", "/healthz")
-                    break
-                except OSError:
-                    await trio.sleep(POLL_S)
+        health = await first_health(process, unix)
         assert health.status == 503 and health.json()["status"] == "storage_full"
         refusal = await rejected(client)
         assert (refusal.status, refusal.error) == (503, errors.STORAGE_FULL)
@@ -170,3 +176,14 @@ async def test_a_daemon_started_on_a_full_disk_serves_refusals_and_opens_its_sta
     events = [event["event"] for event in process.log_events()]
     assert "supervisor.storage_full" in events
     assert events.count("supervisor.ready") == 2  # the first run, then this one once opened
+
+
+async def test_a_daemon_waiting_for_space_stops_cleanly_on_sigterm(tmpfs_layout: DaemonLayout) -> None:
+    layout = tmpfs_layout
+    fill(layout.state_dir)  # before the first start: not even a database yet
+    unix = Endpoint(unix=str(layout.unix_socket))
+    async with running_daemon(layout, wait_ready=False) as process:
+        assert (await first_health(process, unix)).json()["status"] == "storage_full"
+        assert await process.stop() == 0
+    stopped = [event["reason"] for event in process.log_events() if event["event"] == "supervisor.stopped"]
+    assert stopped == ["SIGTERM"]

@@ -34,9 +34,13 @@ async def give_space_back(store: StateStore, interval_s: float = VACUUM_INTERVAL
             while free > 0:
                 left = store.give_back_pages(VACUUM_STEP_PAGES)
                 if left >= free:
-                    break  # nothing moved: no incremental auto-vacuum in this database
+                    break
                 free = left
                 await trio.sleep(0)
+            if free == before:
+                # Nothing moved: the database has no incremental auto-vacuum (its conversion
+                # at start failed, logged as state.vacuum_failed). The next start tries again.
+                return
             store.checkpoint()
         except StoreError as exc:
             if not failing:
