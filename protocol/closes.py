@@ -25,6 +25,7 @@ BOOTSTRAP_MISMATCH_REASON = "Bootstrap does not match upgrade headers."
 RECEIPT_NOT_OBSERVED_REASON = "Supervisor rejection receipt was not observed."
 REJECTION_RECEIPT_REASON = "bootstrap rejection received"
 SEND_FAILED_REASON = "Supervisor could not send a frame."
+WRITE_TIMEOUT_REASON = "Peer stopped reading."
 INTERNAL_REASON = "Supervisor internal error."
 TOO_BIG_REASON = "Message is larger than the limit."
 BIND_FORBIDDEN_REASON = "Binding the session needs the session:control scope."
@@ -67,6 +68,7 @@ CLOSES: tuple[Close, ...] = (
     Close(CLOSE_INTERNAL_ERROR, IDLE_REASON, "supervisor", "no inbound traffic (pongs included) for websocket.idle_timeout_s"),
     Close(CLOSE_INTERNAL_ERROR, RECEIPT_NOT_OBSERVED_REASON, "supervisor", "no 4400 receipt after session.bootstrap.rejected"),
     Close(CLOSE_INTERNAL_ERROR, SEND_FAILED_REASON, "supervisor", "a frame the socket needed could not be sent"),
+    Close(CLOSE_INTERNAL_ERROR, WRITE_TIMEOUT_REASON, "supervisor", "one frame could not be written for websocket.write_timeout_s: the peer stopped reading (its events stay journaled for the next socket)"),
     Close(CLOSE_INTERNAL_ERROR, INTERNAL_REASON, "supervisor", "the state database failed during the bootstrap, or a bug cost this socket"),
     Close(CLOSE_REJECTION_RECEIPT, REJECTION_RECEIPT_REASON, "client", "the client read session.bootstrap.rejected"),
 )

@@ -15,6 +15,9 @@ UNKNOWN_KIND = "unknown_kind"
 FORBIDDEN = "forbidden"
 GENERATION_MISMATCH = "generation_mismatch"
 ACK_AHEAD = "ack_ahead"
+# A tool.call refused because the journal holds more unacknowledged bytes than the cap
+# (journal.max_unacked_bytes, docs/protocol.md §9): nothing was recorded, the key is free.
+JOURNAL_FULL = "journal_full"
 UNKNOWN_CALL = "unknown_call"
 NOT_RUNNING = "not_running"
 NOT_A_TERMINAL = "not_a_terminal"
@@ -41,6 +44,7 @@ SESSION_MISMATCH = "session_mismatch"
 ACK_FLOOR_AHEAD = "ack_floor_ahead"
 STALE_GENERATION = "stale_generation"
 STATE_UNAVAILABLE = "state_unavailable"
+STORAGE_FULL = "storage_full"
 UPGRADE_REQUIRED = "upgrade_required"
 # Same text as NOT_FOUND, but a different meaning (an HTTP route, not a file); two names keep
 # the call sites honest about which one they mean.
@@ -74,7 +78,12 @@ HTTP_ERRORS: dict[str, tuple[int, str]] = {
     ACK_FLOOR_AHEAD: (409, "The event ack floor is ahead of the supervisor's journal."),
     STALE_GENERATION: (409, "The connection generation is stale."),
     STATE_UNAVAILABLE: (500, "The supervisor could not record the connection."),
+    STORAGE_FULL: (503, "The supervisor's state directory is full; retry later."),
 }
+# Seconds a `storage_full` refusal asks the client to wait (its Retry-After header): the
+# supervisor retries its own writes every second, so a few seconds is when a freed disk is
+# in use again, without a control plane hammering a disk that stays full.
+STORAGE_FULL_RETRY_AFTER_S = 5
 # The codes a `tool.result` with ok:false may carry (docs/protocol.md §7.6).
 TOOL_ERROR_CODES = frozenset(
     {
@@ -147,6 +156,12 @@ HTTP_ERROR_MEANINGS: dict[str, str] = {
         "The state database could not be read for the gate's checks, or the admission could "
         "not be recorded."
     ),
+    STORAGE_FULL: (
+        "The admission could not be recorded because the state directory's file system is "
+        "full, or the supervisor started on a full disk and waits for space to open its state; "
+        "nothing was recorded. Sent with Retry-After (seconds); the same upgrade (a new "
+        "attempt and assertion) succeeds once space is freed, without a restart."
+    ),
 }
 
 # The codes an `error` frame may carry (docs/protocol.md §6.5; not journaled, the socket stays
@@ -163,6 +178,11 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
         "connectionGeneration is not the fenced generation."
     ),
     ACK_AHEAD: "events.ack above the highest journaled seq; the floor is unchanged.",
+    JOURNAL_FULL: (
+        "A tool.call while the journal's unacknowledged events exceed journal.max_unacked_bytes "
+        "(the client does not ack what it receives): nothing was recorded or run, the key is "
+        "free; ack the events received, then send the call again."
+    ),
     FORBIDDEN: (
         "exec.* frames on a connection without the shell:exec scope; "
         "events.ack, or a session.bootstrap that would bind or rebind the session, on a "
@@ -181,8 +201,8 @@ FRAME_ERROR_MEANINGS: dict[str, str] = {
     ),
     NOT_A_TERMINAL: "exec.resize for a process started without a pty.",
     INTERNAL: (
-        "The state database refused to record a call (nothing ran), its result (the message "
-        "says whether to retry with the same key), or an events.ack (send it again)."
+        "The state database refused to record a call (nothing ran) or its result (the message "
+        "says whether to retry with the same key)."
     ),
 }
 

@@ -19,18 +19,19 @@ import structlog
 import trio
 import trio_websocket
 
-from sandbox_supervisor.protocol import closes
+from sandbox_supervisor.protocol import closes, errors
 from sandbox_supervisor.protocol.authority import JwksError, VerifierSettings
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 from sandbox_supervisor.daemon.auth.admission import UpgradeAdmission
-from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
+from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, refuse
 from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
 from sandbox_supervisor.daemon.auth.keyring import KeyRing
 from sandbox_supervisor.daemon.config import SupervisorConfig
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.edge.activation import ActivationError, open_daemon_listeners
 from sandbox_supervisor.daemon.edge.server import BoundListeners, FrontLimits, remove_unix_paths, serve
-from sandbox_supervisor.daemon.ops.health import health_response
+from sandbox_supervisor.daemon.ops.health import HTTP_UNAVAILABLE, health_response
+from sandbox_supervisor.daemon.ops.maintenance import give_space_back
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime import cgroups as cgroup_modes
@@ -46,10 +47,15 @@ from sandbox_supervisor.daemon.runtime.tool import ToolServices
 from sandbox_supervisor.daemon.runtime.registry import bind_tools
 from sandbox_supervisor.daemon.session.bootstrap import BindingRules
 from sandbox_supervisor.daemon.session.hub import SessionHub
-from sandbox_supervisor.daemon.session.socket import SessionServices, SocketSettings, serve_control_socket
+from sandbox_supervisor.daemon.session.socket import (
+    SessionServices,
+    SocketSettings,
+    retry_deferred_acks,
+    serve_control_socket,
+)
 from sandbox_supervisor.daemon.state.integrity import StateRefused
 from sandbox_supervisor.daemon.state.journal import Journal
-from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore, StoreError, StoreFull
 from sandbox_supervisor.daemon.status import (
     EXIT_CONFIG,
     EXIT_CRASH,
@@ -58,6 +64,7 @@ from sandbox_supervisor.daemon.status import (
     EXIT_TERMINATED,
     DaemonStatus,
     Lifecycle,
+    StopRequest,
 )
 from sandbox_supervisor.daemon.telemetry import Telemetry
 from sandbox_supervisor.daemon.version import UNKNOWN_VERSION, installed_version
@@ -67,6 +74,10 @@ __all__ = ["EXIT_CONFIG", "EXIT_CRASH", "EXIT_OK", "EXIT_TERMINATED", "Daemon", 
 log = structlog.get_logger("supervisor")
 
 LISTENING_FILE = "listening.json"
+# How often a daemon that started on a full state directory tries to open its state again,
+# and a listening.json the disk refused is written again: a second brings the daemon back
+# soon after space returns, at the cost of one failed open a second meanwhile.
+STATE_RETRY_INTERVAL_S = 1.0
 # After the process groups are gone, how long the stop waits for their calls to journal
 # exec.completed + tool.result (the completion grace is 200 ms).
 STOP_COMPLETION_BUDGET_S = 1.0
@@ -108,11 +119,16 @@ class Daemon:
 
 
 class DaemonFront:
-    """The daemon as the listeners' front sees it (`edge.server.ConnectionApp`)."""
+    """The daemon as the listeners' front sees it (`edge.server.ConnectionApp`). Built with
+    `waiting` (and no daemon) when the daemon started on a full state directory: it then
+    answers health and refuses upgrades `storage_full` until `daemon` is set."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        ws = daemon.config.websocket
-        self._daemon = daemon
+    def __init__(self, daemon: Daemon | None, *, config: SupervisorConfig | None = None, waiting: DaemonStatus | None = None) -> None:
+        config = daemon.config if daemon is not None else config
+        assert config is not None and (daemon is not None or waiting is not None)
+        ws = config.websocket
+        self.daemon = daemon
+        self._waiting = waiting
         self.route_paths = http_front.RoutePaths(
             control=ws.control_path,
             health=ws.health_path,
@@ -122,21 +138,31 @@ class DaemonFront:
         self.max_message_bytes = ws.max_message_bytes
 
     def health(self) -> tuple[int, bytes]:
-        return health_response(self._daemon.status)
+        if self.daemon is None:
+            assert self._waiting is not None
+            return health_response(self._waiting, storage_full=True)
+        return health_response(self.daemon.status)
 
     def metrics(self) -> tuple[int, bytes]:
         from sandbox_supervisor.daemon.ops.metrics import SupervisorMetrics
 
-        telemetry = self._daemon.telemetry
+        if self.daemon is None:
+            return HTTP_UNAVAILABLE, b""  # nothing is measured before the state is open
+        telemetry = self.daemon.telemetry
         assert isinstance(telemetry, SupervisorMetrics)  # the route exists only while enabled
         return 200, telemetry.render()
 
     def admit_upgrade(self, head: http_front.RequestHead) -> Admit | Refuse:
-        return self._daemon.admission.admit(head)
+        if self.daemon is None:
+            # No state to check the upgrade against, and none to record it in.
+            decision = refuse(errors.STORAGE_FULL, "state not opened yet: the state directory is full")
+            log.info("upgrade.rejected", error=decision.code, status=decision.status, detail=decision.detail)
+            return decision
+        return self.daemon.admission.admit(head)
 
     async def run_socket(self, ws: trio_websocket.WebSocketConnection, admit: Admit) -> None:
-        assert self._daemon.sessions is not None  # the front serves only once assembled
-        await serve_control_socket(ws, admit, self._daemon.sessions)
+        assert self.daemon is not None and self.daemon.sessions is not None  # admitted only once assembled
+        await serve_control_socket(ws, admit, self.daemon.sessions)
 
 
 def assemble(
@@ -240,7 +266,15 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
     if status.session is not None:
         roots.prepare(status.session.agent.cwd)
     status.on_bound = lambda body: roots.prepare(body.agent.cwd)
-    calls = CallRunner(daemon.store, daemon.journal, nursery, tools, telemetry=daemon.telemetry, roots=roots)
+    calls = CallRunner(
+        daemon.store,
+        daemon.journal,
+        nursery,
+        tools,
+        telemetry=daemon.telemetry,
+        roots=roots,
+        max_unacked_bytes=config.journal.max_unacked_bytes,
+    )
     daemon.shell = shell
     daemon.processes = processes
     daemon.runtime = Runtime(calls, shell, processes)
@@ -254,6 +288,7 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
             idle_timeout_s=ws.idle_timeout_s,
             max_message_bytes=ws.max_message_bytes,
             drain_budget_s=ws.drain_budget_s,
+            write_timeout_s=ws.write_timeout_s,
             rejection_receipt_timeout_s=config.bootstrap.rejection_receipt_timeout_s,
             legacy_session_control=config.authority.legacy_session_control,
         ),
@@ -277,24 +312,61 @@ def write_listening_file(state_dir: Path, bound: BoundListeners) -> None:
     """Atomically publish the bound addresses (port 0 resolved) for scripts and tests."""
     path = state_dir / LISTENING_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"tcp": bound.tcp, "unix": bound.unix}))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps({"tcp": bound.tcp, "unix": bound.unix}))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a half-written one must not be left behind
+        raise
 
 
-async def _watch_signals(daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def publish_listening_file(state_dir: Path, bound: BoundListeners) -> None:
+    """write_listening_file, retried every STATE_RETRY_INTERVAL_S while the disk refuses it
+    (full): the file is a convenience for scripts, never a reason to stop serving."""
+    logged = False
+    while True:
+        try:
+            write_listening_file(state_dir, bound)
+            return
+        except OSError as exc:
+            if not logged:
+                log.warning("supervisor.listening_file_failed", error=str(exc))
+                logged = True
+        await trio.sleep(STATE_RETRY_INTERVAL_S)
+
+
+class SignalTarget:
+    """What a signal acts on: the daemon once assembled; before that (waiting for space to
+    open the state) a stop is only recorded, and ends the wait."""
+
+    def __init__(self, keyring: KeyRing) -> None:
+        self.keyring = keyring
+        self.daemon: Daemon | None = None
+        self.stop: StopRequest | None = None
+        self.stopped = trio.Event()
+
+    def request_stop(self, exit_code: int, reason: str) -> None:
+        if self.daemon is not None:
+            self.daemon.request_stop(exit_code, reason)
+        elif self.stop is None:
+            self.stop = StopRequest(exit_code, reason)
+            self.stopped.set()
+
+
+async def _watch_signals(target: SignalTarget, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2) as signals:
         task_status.started()  # from here a SIGTERM is a graceful stop, not the default kill
         async for signum in signals:
             if signum == signal.SIGHUP:
-                daemon.keyring.reload(reason="sighup")
+                target.keyring.reload(reason="sighup")
             elif signum == signal.SIGUSR2:
                 # A restart that keeps processes (docs/operations.md): the daemon stops, its
                 # held processes keep running, and the next daemon adopts them.
                 log.info("supervisor.signal", signal="SIGUSR2", keep_processes=True)
-                daemon.request_stop(EXIT_RESTART, "SIGUSR2")
+                target.request_stop(EXIT_RESTART, "SIGUSR2")
             else:
                 log.info("supervisor.signal", signal=signal.Signals(signum).name)
-                daemon.request_stop(EXIT_OK, signal.Signals(signum).name)
+                target.request_stop(EXIT_OK, signal.Signals(signum).name)
 
 
 def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
@@ -353,16 +425,71 @@ def detect_isolation(config: SupervisorConfig) -> cgroup_modes.Cgroups:
     return cgroups
 
 
-def open_state(config: SupervisorConfig) -> tuple[StateStore, KeyRing]:
+def open_keyring(config: SupervisorConfig) -> KeyRing:
     try:
-        keyring = KeyRing(config.authority.jwks_file)
+        return KeyRing(config.authority.jwks_file)
     except (OSError, JwksError) as exc:
         raise StartupError(f"authority.jwks_file: {exc}") from None
+
+
+def open_store(config: SupervisorConfig) -> StateStore:
+    """The state store; StoreFull when the state directory is full (the caller waits for
+    space), StateRefused when the state is missing, damaged or inconsistent (exit 2, never a
+    wait: a full disk is never taken for damage, state/fsutil.disk_full), StartupError for
+    any other failure."""
     try:
-        store = StateStore.open(config.paths.state_dir, config.idempotency.retention())
+        return StateStore.open(config.paths.state_dir, config.idempotency.retention())
+    except StoreFull:
+        raise
     except (OSError, StoreError) as exc:
         raise StartupError(f"paths.state_dir: {exc}") from None
-    return store, keyring
+
+
+def resolve_pending(store: StateStore, config: SupervisorConfig, who: CommandIdentity | None, roots: WorkspaceRoots, cgroups: cgroup_modes.Cgroups) -> None:
+    """Complete the calls a previous instance left pending, before anyone can connect, so a
+    reconnecting client finds exactly one result for each of them. StoreFull when their
+    results cannot be written (they stay pending: the next try resolves them)."""
+    recovered = recover_pending_calls(
+        store,
+        config.paths.state_dir,
+        max_file_bytes=config.files.max_file_bytes,
+        file_owner=None if who is None else (who.uid, who.gid),
+        roots=roots,
+        cgroups=cgroups,
+    )
+    if recovered:
+        log.warning("calls.recovered", count=recovered)
+
+
+async def wait_for_state(
+    config: SupervisorConfig,
+    who: CommandIdentity | None,
+    roots: WorkspaceRoots,
+    cgroups: cgroup_modes.Cgroups,
+    target: SignalTarget,
+) -> StateStore | None:
+    """Open the store and resolve pending calls, tried every STATE_RETRY_INTERVAL_S while
+    the state directory is full; the store, or None when a stop came first. Each try runs
+    the whole integrity check again (StateStore.open): StateRefused, once the state can be
+    read and is not sound, ends the wait (the caller exits 2), as any other StartupError."""
+    while True:
+        with trio.move_on_after(STATE_RETRY_INTERVAL_S):
+            await target.stopped.wait()
+            return None
+        try:
+            store = open_store(config)
+        except StoreFull:
+            continue
+        try:
+            if store.snapshot().terminated is None:
+                resolve_pending(store, config, who, roots, cgroups)
+        except StoreFull:
+            store.close()
+            continue
+        except BaseException:
+            store.close()
+            raise
+        return store
 
 
 async def run_supervisor(
@@ -373,79 +500,150 @@ async def run_supervisor(
     task_status: trio.TaskStatus[tuple[Daemon, BoundListeners]] = trio.TASK_STATUS_IGNORED,
 ) -> int:
     """Run until stopped; return the exit status. `task_status.started` gets the Daemon and
-    the bound listeners once the daemon is ready (what READY=1 means)."""
+    the bound listeners once the daemon is ready (what READY=1 means).
+
+    On a full state directory the daemon still starts: it binds its listeners, answers
+    health (503 `storage_full`) and refuses upgrades `storage_full` with Retry-After, and
+    opens its state by itself once space is freed (docs/operations.md, "Faults and what the
+    daemon does")."""
     notifier = SystemdNotifier(env)
     # Before the state is opened: a state dir the command user can write is never trusted.
     who = command_identity(config)
-    store, keyring = open_state(config)
+    keyring = open_keyring(config)
+    store: StateStore | None
+    try:
+        store = open_store(config)
+    except StoreFull as exc:
+        log.warning("supervisor.storage_full", error=str(exc), retry_s=STATE_RETRY_INTERVAL_S)
+        store = None
     roots = WorkspaceRoots(workspace_root=str(config.paths.workspace_root))
     try:
-        if store.snapshot().terminated is not None:
-            log.error("supervisor.terminated_at_start")
-            notifier.notify("STOPPING=1", "STATUS=terminated after a bootstrap rejection")
-            return EXIT_TERMINATED
+        if store is not None and store.snapshot().terminated is not None:
+            return _terminated_at_start(notifier)
         cgroups = detect_isolation(config)
-        # Calls a previous instance left pending are completed before anyone can connect, so
-        # a reconnecting client finds exactly one result for each of them.
-        recovered = recover_pending_calls(
-            store,
-            config.paths.state_dir,
-            max_file_bytes=config.files.max_file_bytes,
-            file_owner=None if who is None else (who.uid, who.gid),
-            roots=roots,
-            cgroups=cgroups,
-        )
-        if recovered:
-            log.warning("calls.recovered", count=recovered)
-        daemon = assemble(
-            config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who, cgroups
-        )
-        daemon.roots = roots
+        if store is not None:
+            try:
+                resolve_pending(store, config, who, roots, cgroups)
+            except StoreFull as exc:
+                log.warning("supervisor.storage_full", error=str(exc), retry_s=STATE_RETRY_INTERVAL_S)
+                store.close()
+                store = None
         try:
             bound, owned_unix = await open_daemon_listeners(config.listen.tcp, config.listen.unix, env)
         except ActivationError as exc:
             raise StartupError(str(exc)) from None
+        limits = FrontLimits(
+            max_tcp_handshakes=config.websocket.max_handshakes,
+            max_unix_handshakes=config.websocket.max_unix_handshakes,
+            max_handshakes_per_peer=config.websocket.max_handshakes_per_peer,
+            unix_allowed_uids=frozenset(config.listen.unix_allowed_uids),
+        )
+        target = SignalTarget(keyring)
+        interval = watchdog_interval_s(env)
         try:
             async with trio.open_nursery() as nursery:
-                start_runtime(daemon, nursery)
                 if handle_signals:
-                    await nursery.start(_watch_signals, daemon)
-                limits = FrontLimits(
-                    max_tcp_handshakes=config.websocket.max_handshakes,
-                    max_unix_handshakes=config.websocket.max_unix_handshakes,
-                    max_handshakes_per_peer=config.websocket.max_handshakes_per_peer,
-                    unix_allowed_uids=frozenset(config.listen.unix_allowed_uids),
-                )
-                await nursery.start(serve, bound.listeners, DaemonFront(daemon), limits)
-                # Published once the daemon is ready (what READY=1 says): a script that waits
-                # for the file and then sends SIGTERM gets a graceful stop, never the default
-                # handler's kill before the signal watcher is installed.
-                write_listening_file(config.paths.state_dir, bound)
-                log.info("supervisor.ready", tcp=bound.tcp, unix=bound.unix, version=daemon.status.version)
-                notifier.notify("READY=1", "STATUS=serving")
-                interval = watchdog_interval_s(env)
+                    await nursery.start(_watch_signals, target)
                 if interval is not None:
                     # Runs on the trio loop: a wedged loop stops the pings, and systemd
                     # restarts the daemon, which is what the watchdog is for.
                     nursery.start_soon(send_watchdog_pings, notifier, interval)
+                front: DaemonFront | None = None
+                if store is None:
+                    # Serve health and typed refusals while waiting: a daemon that exits on
+                    # a full disk is restarted into the same full disk until systemd gives
+                    # up, and then nobody is left to recover when space returns.
+                    front = DaemonFront(
+                        None,
+                        config=config,
+                        waiting=DaemonStatus(
+                            version=installed_version() or UNKNOWN_VERSION,
+                            session=None,
+                            fence_generation=0,
+                            privilege_separation=who is not None,
+                            isolation=cgroups.describe(),
+                        ),
+                    )
+                    await nursery.start(serve, bound.listeners, front, limits)
+                    nursery.start_soon(publish_listening_file, config.paths.state_dir, bound)
+                    # Ready in systemd's sense (listening, answering): not restarted for a
+                    # start timeout while the disk stays full.
+                    notifier.notify("READY=1", "STATUS=waiting for space in the state directory")
+                    store = await wait_for_state(config, who, roots, cgroups, target)
+                    if store is None or store.snapshot().terminated is not None:
+                        early_exit = target.stop if store is None else None
+                        nursery.cancel_scope.cancel()
+                        return _early_exit(early_exit, notifier, cgroups)
+                daemon = assemble(
+                    config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who, cgroups
+                )
+                daemon.roots = roots
+                target.daemon = daemon
+                start_runtime(daemon, nursery)
+                nursery.start_soon(retry_deferred_acks, daemon.journal)
+                nursery.start_soon(give_space_back, daemon.store)
+                if front is None:
+                    await nursery.start(serve, bound.listeners, DaemonFront(daemon), limits)
+                    # Published once the daemon is ready (what READY=1 says): a script that
+                    # waits for the file and then sends SIGTERM gets a graceful stop, never
+                    # the default handler's kill before the signal watcher is installed.
+                    try:
+                        write_listening_file(config.paths.state_dir, bound)
+                    except OSError:
+                        nursery.start_soon(publish_listening_file, config.paths.state_dir, bound)
+                else:
+                    front.daemon = daemon  # from now on upgrades go through the gate
+                log.info("supervisor.ready", tcp=bound.tcp, unix=bound.unix, version=daemon.status.version)
+                notifier.notify("READY=1", "STATUS=serving")
                 task_status.started((daemon, bound))
                 await daemon.status.stop_requested.wait()
                 await drain(daemon)
                 nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The state, once space let it be read, was refused (damaged, inconsistent), or
+            # opening it failed otherwise: raised inside the nursery, which wraps it in a
+            # group. Unwrapped, serve_main answers it as at any start: one line and exit 2,
+            # never a traceback, never a fresh start.
+            failure = group.exceptions[0] if len(group.exceptions) == 1 else None
+            if not isinstance(failure, (StateRefused, StartupError)):
+                raise
+            _close_cgroups(cgroups)
+            raise failure from None
         finally:
             # Only paths the daemon created: an inherited socket belongs to its socket unit.
             remove_unix_paths(owned_unix)
-        try:
-            cgroups.close()
-        except OSError as exc:  # the base directories stay; the next start reuses them
-            log.warning("process.cgroup_remove_failed", error=str(exc))
+        _close_cgroups(cgroups)
         stop = daemon.status.stop
         assert stop is not None
         log.info("supervisor.stopped", exit_code=stop.exit_code, reason=stop.reason)
         return stop.exit_code
     finally:
         roots.close()
-        store.close()
+        if store is not None:
+            store.close()
+
+
+def _early_exit(stop: StopRequest | None, notifier: SystemdNotifier, cgroups: cgroup_modes.Cgroups) -> int:
+    """The end of a start that waited for space: stopped meanwhile (`stop`), or the state,
+    once opened, says terminated (None)."""
+    _close_cgroups(cgroups)
+    if stop is None:
+        return _terminated_at_start(notifier)
+    log.info("supervisor.stopped", exit_code=stop.exit_code, reason=stop.reason)
+    return stop.exit_code
+
+
+def _close_cgroups(cgroups: cgroup_modes.Cgroups) -> None:
+    try:
+        cgroups.close()
+    except OSError as exc:  # the base directories stay; the next start reuses them
+        log.warning("process.cgroup_remove_failed", error=str(exc))
+
+
+def _terminated_at_start(notifier: SystemdNotifier) -> int:
+    log.error("supervisor.terminated_at_start")
+    notifier.notify("STOPPING=1", "STATUS=terminated after a bootstrap rejection")
+    return EXIT_TERMINATED
 
 
 async def drain(daemon: Daemon) -> None:

@@ -38,6 +38,7 @@ from sandbox_supervisor.daemon.runtime.identity import (
 from sandbox_supervisor.daemon.state.store import (
     DEFAULT_CALL_MAX_AGE_S,
     DEFAULT_CALL_MAX_RESULT_BYTES,
+    DEFAULT_MAX_UNACKED_BYTES,
     CallRetention,
 )
 
@@ -175,6 +176,10 @@ class WebSocketConfig(_Section):
     # Pending handshakes one TCP source address may hold at once.
     max_handshakes_per_peer: PositiveInt = 8
     drain_budget_s: PositiveSeconds = 0.5
+    # A frame the peer has not taken for this long (its socket buffers full: it stopped
+    # reading) closes the socket: a peer that sends but never reads must not hold a socket,
+    # its sender and a batch of frames for ever. Its events stay journaled for a reconnect.
+    write_timeout_s: PositiveSeconds = 60.0
 
     @field_validator("control_path", "health_path", "metrics_path")
     @classmethod
@@ -325,6 +330,14 @@ class IdempotencyConfig(_Section):
         return CallRetention(max_age_s=self.max_age_s, max_result_bytes=self.max_result_bytes)
 
 
+class JournalConfig(_Section):
+    """The journal's bound on disk (docs/operations.md, "Faults and what the daemon does"):
+    past `max_unacked_bytes` of events the client has not acked, new tool calls are refused
+    (`journal_full`) until it acks; no unacked event is ever dropped."""
+
+    max_unacked_bytes: PositiveInt = DEFAULT_MAX_UNACKED_BYTES
+
+
 class FilesConfig(_Section):
     # read_file and apply_file_patch refuse a larger file (file_too_large), checked on the
     # opened file before a byte is read: hashing or loading it would take a worker thread
@@ -354,6 +367,7 @@ class SupervisorConfig(_Section):
     bootstrap: BootstrapConfig = BootstrapConfig()
     exec: ExecConfig = ExecConfig()
     idempotency: IdempotencyConfig = IdempotencyConfig()
+    journal: JournalConfig = JournalConfig()
     files: FilesConfig = FilesConfig()
     logging: LoggingConfig = LoggingConfig()
 

@@ -58,8 +58,9 @@ def _object(value: object, what: str) -> JsonObject:
 
 class CallNotAnswered(Exception):
     """The daemon answered a tool.call with an `error` frame instead of a result: the frame
-    was refused (invalid_frame, generation_mismatch …), or (`internal`) the call or its result
-    could not be recorded. `retryable` when sending it again with the same key is the fix."""
+    was refused (invalid_frame, generation_mismatch …), (`internal`) the call or its result
+    could not be recorded, or (`journal_full`) too many events are unacknowledged (ack them,
+    then send it again). `retryable` when sending it again with the same key is the fix."""
 
     def __init__(self, call_id: str, body: JsonObject, *, keyed: bool) -> None:
         super().__init__(f"error frame for call {call_id}: {body}")
@@ -514,7 +515,7 @@ class ControlSession:
                 # An error about the tool.call itself (exec.* frames for the same call get
                 # their own errors, such as not_running, which do not end the wait).
                 if kind == "error" and body.get("call_id") == call_id and (
-                    body.get("code") in FRAME_ERRORS or body.get("code") == errors.INTERNAL
+                    body.get("code") in FRAME_ERRORS or body.get("code") in (errors.INTERNAL, errors.JOURNAL_FULL)
                 ):
                     raise CallNotAnswered(call_id, body, keyed=key is not None)
                 if kind in ("tool.result", "tool.pending"):

@@ -211,24 +211,27 @@ def _rss_kib(pid: int) -> int:
     raise AssertionError("VmRSS not found")
 
 
-async def test_an_ack_the_database_refuses_gets_a_typed_answer_and_the_socket_stays(daemon, session):
+async def test_an_ack_the_database_refuses_is_kept_and_recorded_once_it_takes_writes(daemon, session):
     """The database refuses the ack's write (a real sqlite error: the daemon's own connection
-    made read-only). The client gets an `error` frame `internal` — the same typed answer a tool
-    call gets — the floor does not move, the socket stays usable, and the ack sent again once
-    the database takes writes raises the floor."""
+    made read-only). The ack is the daemon's fault to retry, not the client's: it is answered
+    as any ack (nothing sent, the socket stays usable), the floor does not move meanwhile, and
+    the daemon records it by itself once the database takes writes again, with no new ack."""
     (daemon.layout.workspace / "note.txt").write_text("hi")
     await make_events(session, 2)
     store = daemon.supervisor.store
     store._conn.execute("PRAGMA query_only = ON")  # writes now fail: SQLITE_READONLY
     try:
         await session.ack(2)
+        # The first frame back answers the ack after it: the refused one sent nothing.
+        await session.send("events.ack", {"seq": 1000})
         frame = await session.receive_until(lambda f: f["kind"] == "error")
+        assert frame["body"]["code"] == "ack_ahead"
+        assert store.snapshot().ack_floor == 0
+        assert daemon.supervisor.journal.deferred_ack == 2
     finally:
         store._conn.execute("PRAGMA query_only = OFF")
-    assert frame["body"]["code"] == "internal"
-    assert "send it again" in frame["body"]["message"]
-    assert store.snapshot().ack_floor == 0
-    await session.ack(2)
+    with trio.fail_after(5):
+        while store.snapshot().ack_floor != 2:
+            await trio.sleep(0.02)
     # The socket still serves: a call after the refused ack is answered as usual.
     assert (await session.call_and_wait("read_file", {"path": "note.txt"}))["ok"] is True
-    assert store.snapshot().ack_floor == 2

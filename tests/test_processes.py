@@ -85,15 +85,20 @@ async def test_stdin_offsets_never_write_twice_and_refuse_gaps(session, daemon):
 async def test_a_terminal_process_sees_a_terminal_follows_resizes_and_takes_ctrl_c(session, daemon):
     client = session.client
     pty = {"rows": 24, "cols": 80}
+    # `echo SLEEPING`, a builtin, after the second stty: bash ignores a SIGINT that arrives
+    # while it waits for a child that then exits normally (wait-and-cooperative-exit), so a
+    # Ctrl-C sent as soon as stty's output shows could be swallowed while stty is being
+    # reaped, and the sleep would run its 30 s. Once the builtin's line shows, stty is reaped.
     call_id, started = await start(
-        session, "test -t 0 && echo TTY; stty size; read -r _; stty size; sleep 30", "p-pty", pty=pty
+        session, "test -t 0 && echo TTY; stty size; read -r _; stty size; echo SLEEPING; sleep 30", "p-pty", pty=pty
     )
     assert started["pty"] is True
     await wait_output(session, client, call_id, "24 80")
     assert "TTY" in output_of(client, call_id)
     await session.send("exec.resize", {"call_id": call_id, "rows": 40, "cols": 100})
     await stdin(session, call_id, 0, "\n")
-    await wait_output(session, client, call_id, "40 100")
+    await wait_output(session, client, call_id, "SLEEPING")
+    assert "40 100" in output_of(client, call_id)
     # Ctrl-C through the line discipline: SIGINT to the foreground group (the sleep and its shell).
     await stdin(session, call_id, 1, "\x03")
     body = await completed(session, client, call_id)

@@ -22,7 +22,7 @@ import trio
 
 from sandbox_supervisor.daemon.app import STOP_COMPLETION_BUDGET_S
 from sandbox_supervisor.daemon.ops import cli
-from sandbox_supervisor.daemon.exits import EXIT_TERMINATED
+from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_TERMINATED
 from sandbox_supervisor.daemon.config import ConfigError, ExecConfig, WebSocketConfig, load_config, parse_host_port
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
 from sandbox_supervisor.daemon.runtime.oom import (
@@ -146,6 +146,27 @@ def test_watchdog_rides_out_a_stall_and_still_replaces_a_hung_daemon() -> None:
     assert interval_s is not None
     assert watchdog_s - interval_s >= TOLERATED_STALL_S
     assert watchdog_s <= HANG_REPLACED_WITHIN_S
+
+
+def test_the_restart_policy_never_gives_up_after_a_passing_fault() -> None:
+    """A start limit would leave the sandbox without a supervisor once a passing fault (a full
+    disk, a JWKS file provisioned late) had made it restart often enough, and nothing would
+    start it again when the fault is gone: the rate limit is off, and RestartSec paces."""
+    unit = parse_unit(SERVICE)
+    assert one(unit, "Unit", "StartLimitIntervalSec") == "0"
+    assert "StartLimitBurst" not in unit["Unit"]  # meaningless without an interval
+    assert 0 < seconds(one(unit, "Service", "RestartSec")) <= 5
+
+
+def test_a_refused_state_exit_2_is_restarted_as_any_exit_2() -> None:
+    """Exit 2 is also a passing fault's (a JWKS file provisioned late): preventing its restart
+    would leave the sandbox without a supervisor once that fault is gone. A refused state
+    (exit 2, supervisor.state_refused) is refused again at each restart, never started on;
+    the unit comment and docs/operations.md say so."""
+    unit = parse_unit(SERVICE)
+    assert str(EXIT_CONFIG) not in one(unit, "Service", "RestartPreventExitStatus").split()
+    text = SERVICE.read_text()
+    assert "RestartPreventExitStatus" in text and "state_refused" in text
 
 
 def test_stop_timeout_covers_the_kill_grace_and_the_drain() -> None:

@@ -27,7 +27,7 @@ from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
 from sandbox_supervisor.daemon.auth.keyring import KeyRing
 from sandbox_supervisor.daemon.edge.http_front import RequestHead
 from sandbox_supervisor.daemon.ops.logs import safe_log
-from sandbox_supervisor.daemon.state.store import FenceRegressed, JtiReplayed, StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import FenceRegressed, JtiReplayed, StateStore, StoreError, StoreFull
 from sandbox_supervisor.daemon.status import DaemonStatus
 from sandbox_supervisor.daemon.telemetry import UPGRADE_ACCEPTED, Telemetry
 
@@ -73,6 +73,10 @@ class UpgradeAdmission:
             )
             if isinstance(decision, Admit):
                 decision = self._record(decision, now)
+        except StoreFull as exc:
+            # A passing fault: the client is told when to come back (Retry-After), not that
+            # something broke. The fence was not recorded, so nothing was admitted.
+            decision = refuse(errors.STORAGE_FULL, f"store: {exc}")
         except StoreError as exc:
             decision = refuse(errors.STATE_UNAVAILABLE, f"store: {type(exc).__name__}")
         self._report(decision)

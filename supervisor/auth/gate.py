@@ -51,6 +51,8 @@ class Refuse:
     def extra_headers(self) -> list[tuple[bytes, bytes]]:
         if self.code == errors.INVALID_AUTHORITY:
             return [(b"www-authenticate", b'Bearer error="invalid_token"')]
+        if self.code == errors.STORAGE_FULL:
+            return [(b"retry-after", str(errors.STORAGE_FULL_RETRY_AFTER_S).encode("ascii"))]
         return []
 
 

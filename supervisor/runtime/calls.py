@@ -77,6 +77,7 @@ UNJOURNALED_KEYED_MESSAGE = (
     "The supervisor could not record the call's result yet; retry with the same idempotency key."
 )
 NOT_RECORDED_MESSAGE = "The supervisor could not record the call; nothing was run."
+JOURNAL_FULL_MESSAGE = "Too many unacknowledged events; ack them, then send the call again. Nothing was run."
 KEY_REUSED_MESSAGE = "The idempotency key was used for a different call."
 # A retry whose first result lies outside the retrying socket's allowed_paths: refused as the
 # jail refuses the same call run fresh, so a key never reads what the path rules hide.
@@ -162,8 +163,11 @@ class CallRunner:
         tools: Mapping[str, Tool],
         telemetry: Telemetry | None = None,
         roots: WorkspaceRoots | None = None,
+        max_unacked_bytes: int | None = None,
     ) -> None:
         self.store = store
+        # The journal's bound ([journal] max_unacked_bytes); None: unbounded.
+        self.max_unacked_bytes = max_unacked_bytes
         # The opened agent.cwd, to judge a retry's view with the jail's walk as it is now.
         self.roots = roots if roots is not None else WorkspaceRoots()
         self.telemetry = telemetry
@@ -194,6 +198,14 @@ class CallRunner:
     ) -> None:
         """Validate and dispatch one `tool.call` body. Everything up to the pending record is
         synchronous, so duplicates arriving together are ordered by the store, not by luck."""
+        bound = self.max_unacked_bytes
+        if bound is not None and self.journal.unacked_bytes > bound:
+            # Refused before anything is recorded, and not journaled: a peer that calls but
+            # never acks must not grow the journal further, not even by refusals. The key
+            # is not claimed, so the same call goes through once the client has acked.
+            call_id = body.get("call_id")
+            await reply(error_frame(errors.JOURNAL_FULL, JOURNAL_FULL_MESSAGE, call_id if is_call_id(call_id) else None))
+            return
         try:
             await self._submit(body, context, reply, may_act)
         except StoreError:

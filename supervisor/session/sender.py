@@ -8,6 +8,8 @@ wait, and memory stays bounded (a batch of events plus a bounded reply queue).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 import trio_websocket
 
@@ -23,6 +25,12 @@ REPLY_QUEUE_SIZE = 64
 # can be ~400 KB once JSON-escaped: a read_file page of control characters).
 EVENT_BATCH = 128
 EVENT_BATCH_MAX_CHARS = 4 * 1024 * 1024
+# Without a configured one (tests of the sender alone): the default of websocket.write_timeout_s.
+DEFAULT_WRITE_TIMEOUT_S = 60.0
+
+
+class _Stalled(Exception):
+    """A write did not complete within the write timeout: the peer stopped reading."""
 
 
 class SocketSender:
@@ -33,8 +41,15 @@ class SocketSender:
         cursor: int,
         telemetry: Telemetry | None = None,
         audience: Audience | None = None,
+        *,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        on_stalled: Callable[[], None] | None = None,
     ) -> None:
         self._ws = ws
+        self._write_timeout_s = write_timeout_s
+        # Told once when a write times out (the socket closes it); the sender then stops.
+        self._on_stalled = on_stalled
+        self.stalled = False
         self._audience = audience
         self._telemetry = telemetry
         # Events up to here existed when the socket attached: sending them is a replay.
@@ -70,7 +85,7 @@ class SocketSender:
                     else []
                 )
                 for seq, frame in rows:
-                    await self._ws.send_message(frame)
+                    await self._send(frame)
                     self.cursor = seq
                 if rows:
                     self._progress.set()
@@ -81,6 +96,10 @@ class SocketSender:
                     await self._wake.wait()
         except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             self.failed = True
+        except _Stalled:
+            self.failed = self.stalled = True
+            if self._on_stalled is not None:
+                self._on_stalled()
         finally:
             self._journal.unsubscribe(self.wake)
             self.stopped = True
@@ -106,5 +125,13 @@ class SocketSender:
                 text = self._reply_out.receive_nowait()
             except trio.WouldBlock:
                 return sent
-            await self._ws.send_message(text)
+            await self._send(text)
             sent = True
+
+    async def _send(self, text: str) -> None:
+        """One frame, within the write timeout. A write cut short leaves a partial frame on
+        the stream, so the socket is not used again: _Stalled ends the sender."""
+        with trio.move_on_after(self._write_timeout_s) as scope:
+            await self._ws.send_message(text)
+        if scope.cancelled_caught:
+            raise _Stalled

@@ -60,8 +60,11 @@ CLOSE_HANDSHAKE_TIMEOUT_S = 1.0
 # A UTF-8 character is at most this many bytes: a text message of n characters can exceed
 # the byte limit only when n * 4 does.
 MAX_UTF8_BYTES_PER_CHAR = 4
-ACK_NOT_RECORDED_MESSAGE = "The supervisor could not record the ack; send it again."  # nothing of it was
 ACK_AHEAD_MESSAGE = "The ack is above the highest journaled seq."
+# How often an ack the store could not record (a full disk) is tried again: short enough that
+# pruning resumes soon after space returns, long enough that a full disk costs one failed
+# transaction a second.
+ACK_RETRY_INTERVAL_S = 1.0
 
 class RuntimePort(Protocol):
     """What the session layer hands to the runtime: tool calls and exec frames. The runtime
@@ -89,6 +92,7 @@ class SocketSettings:
     max_message_bytes: int
     drain_budget_s: float
     rejection_receipt_timeout_s: float
+    write_timeout_s: float = 60.0  # websocket.write_timeout_s
     # `authority.legacy_session_control`: every assertion holds session:control, as before
     # the scope existed (a transition for control planes that do not grant it yet).
     legacy_session_control: bool = False
@@ -319,6 +323,8 @@ class ControlSocket:
             cursor=self.conn.headers.event_ack,
             telemetry=services.telemetry,
             audience=self._socket_audience(),
+            write_timeout_s=services.settings.write_timeout_s,
+            on_stalled=lambda: self.conn.request_close(closes.CLOSE_INTERNAL_ERROR, closes.WRITE_TIMEOUT_REASON),
         )
         self.conn.sender = self.sender
         self._nursery.start_soon(self.sender.run)
@@ -371,11 +377,12 @@ class ControlSocket:
             self.services.journal.acknowledge(seq)
         except AckAhead:
             await self._carry_out([error_reply(errors.ACK_AHEAD, ACK_AHEAD_MESSAGE)])
-        except StoreError:
-            # The same typed answer a tool call gets when the database refuses: the floor
-            # did not move, and the client may send the ack again.
-            self.log.exception("ack.record_failed")
-            await self._carry_out([error_reply(errors.INTERNAL, ACK_NOT_RECORDED_MESSAGE)])
+        except StoreError as exc:
+            # The daemon's fault, not the client's (a full disk): the ack is kept in memory
+            # (Journal.deferred_ack) and written by `retry_deferred_acks` once the store takes
+            # it. The client is answered as for any ack (nothing); until then nothing it acked
+            # is pruned, and a replay may resend what it already has (it drops duplicates).
+            self.log.warning("ack.deferred", seq=seq, error=str(exc))
 
     def _socket_audience(self) -> Audience:
         """What this socket may see (docs/protocol.md §9.1), resolved once: its scopes and
@@ -407,6 +414,19 @@ class ControlSocket:
                 audience=self._socket_audience(),
             )
         return self._context
+
+
+async def retry_deferred_acks(journal: Journal, interval_s: float = ACK_RETRY_INTERVAL_S) -> None:
+    """Write an ack the store could not record (Journal.deferred_ack) as soon as it can:
+    tried every `interval_s`, so a full disk that frees up needs no new ack from the client."""
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            floor = journal.retry_deferred_ack()
+        except StoreError:
+            continue  # still refused: kept, tried again next time
+        if floor is not None:
+            log.info("ack.recorded", floor=floor)
 
 
 def _decode(raw: str) -> ClientFrameModel | FrameError:

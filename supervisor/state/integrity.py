@@ -30,7 +30,7 @@ import sqlite3
 from pathlib import Path
 from typing import NamedTuple
 
-from sandbox_supervisor.daemon.state.fsutil import fsync_directory
+from sandbox_supervisor.daemon.state.fsutil import disk_full, fsync_directory
 
 INSTANCE_FILE = "instance.json"
 HIGH_WATER_FILE = "journal-high-water"
@@ -165,6 +165,11 @@ def quick_check(conn: sqlite3.Connection, state_dir: Path) -> None:
     try:
         rows = conn.execute(f"PRAGMA quick_check({QUICK_CHECK_MAX_ERRORS})").fetchall()
     except sqlite3.DatabaseError as exc:
+        if disk_full(exc):
+            # Reading a WAL database needs room for its -shm index: a full disk says nothing
+            # about the database. Raised as it is; the store makes it StoreFull (wait, check
+            # again once there is space), never a refusal of a sound state.
+            raise
         raise StateRefused(DAMAGED, f"the database cannot be checked: {exc}", state_dir) from None
     problems = [str(row[0]) for row in rows]
     if problems != ["ok"]:

@@ -14,7 +14,14 @@ from typing import Any
 
 from sandbox_supervisor.protocol.frames import encode_withheld
 from sandbox_supervisor.daemon.state.keys import CallKey
-from sandbox_supervisor.daemon.state.store import HeldRecord, JournalRow, StateStore, take_within
+from sandbox_supervisor.daemon.state.store import (
+    AckAhead,
+    HeldRecord,
+    JournalRow,
+    StateStore,
+    StoreError,
+    take_within,
+)
 from sandbox_supervisor.daemon.state.visibility import Audience, EventView, visible
 
 
@@ -39,6 +46,13 @@ class Journal:
         self._recent_chars = 0
         # The ack floor: what the store may have deleted (acks only ever go through here).
         self.pruned_through = snapshot.ack_floor
+        # The highest ack the store could not record yet (a full disk): acks are monotonic,
+        # so this one floor stands for every ack received meanwhile. Written by the next
+        # ack that succeeds or by `retry_deferred_ack`; 0: none deferred.
+        self.deferred_ack = 0
+        # The bytes of the events above the recorded floor (the journal's bound, [journal]
+        # max_unacked_bytes): counted once here, then kept by appends and acks.
+        self.unacked_bytes = store.frame_bytes(snapshot.ack_floor)
 
     def frames_after(
         self, seq: int, limit: int, max_chars: int | None = None, audience: Audience | None = None
@@ -66,11 +80,36 @@ class Journal:
 
     def acknowledge(self, seq: int) -> int:
         """Raise the ack floor (AckAhead above the journal) and prune what it covers, in one
-        transaction (StoreError: neither happened)."""
-        floor = self.store.raise_ack_floor(seq)
+        transaction; the floor now recorded. When the store cannot record it (a full disk,
+        StoreError), the ack is kept as `deferred_ack` and written later (`retry_deferred_ack`):
+        the client's ack is never refused for the daemon's own fault, and nothing is pruned
+        until the floor is durable."""
+        if seq > self.last_seq:
+            # Checked here too, so a deferred ack can never be one the store would refuse.
+            raise AckAhead(f"ack {seq} is above the highest journaled seq {self.last_seq}")
+        previous = self.pruned_through
+        try:
+            target = max(seq, self.deferred_ack)
+            # Read before the floor moves (no await between: nothing appends meanwhile).
+            covered = self.store.frame_bytes(previous, target) if target > previous else 0
+            floor = self.store.raise_ack_floor(target)
+        except StoreError:
+            if seq > max(self.deferred_ack, self.pruned_through):
+                self.deferred_ack = seq
+            raise
+        self.deferred_ack = 0
+        if floor > previous:
+            self.unacked_bytes = max(0, self.unacked_bytes - covered)
         self.pruned_through = max(self.pruned_through, floor)
         self._trim_recent()
         return floor
+
+    def retry_deferred_ack(self) -> int | None:
+        """Write the deferred ack, if any: the floor now recorded, None when none was
+        deferred (StoreError: still not recorded, and still deferred)."""
+        if not self.deferred_ack:
+            return None
+        return self.acknowledge(self.deferred_ack)
 
     def _trim_recent(self) -> None:
         """Drop the oldest frames past the bounds, and those an ack pruned. Only the oldest
@@ -93,7 +132,12 @@ class Journal:
         if rows:
             self.last_seq = max(self.last_seq, rows[-1].seq)
             self.recent.extend(rows)
-            self._recent_chars += sum(len(row.frame) for row in rows)
+            chars = sum(len(row.frame) for row in rows)
+            self._recent_chars += chars
+            # Frames are JSON, nearly always ASCII: then characters are bytes, no encoding.
+            self.unacked_bytes += sum(
+                len(row.frame) if row.frame.isascii() else len(row.frame.encode("utf-8")) for row in rows
+            )
             self._trim_recent()
         for wake in list(self._listeners):
             wake()

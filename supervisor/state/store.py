@@ -19,12 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, TypeVar
 
+import structlog
+
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
 from sandbox_supervisor.daemon.state import integrity
+from sandbox_supervisor.daemon.state.fsutil import disk_full
 from sandbox_supervisor.daemon.state.integrity import HighWater, Marker, StateRefused
 from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, OWNER_SPACE, CallKey
 from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
+
+log = structlog.get_logger("supervisor")
 
 DB_FILENAME = "supervisor.sqlite3"
 STATE_DIR_MODE = 0o700
@@ -34,6 +39,16 @@ DB_FILE_MODE = 0o600
 BUSY_TIMEOUT_S = 5.0
 SCHEMA_VERSION = 6
 
+# Space given back after pruning (docs/operations.md, "Disk use of the state directory"): the
+# database is in incremental auto-vacuum mode, and free pages are returned to the file system
+# in steps of this many pages (4 KiB each: 1 MiB), each its own short write transaction
+# (about 2-10 ms here), so the event loop never stalls on a large give-back.
+VACUUM_STEP_PAGES = 256
+AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
+# The WAL file is cut back to this size when a checkpoint resets it; without a limit it stays
+# at its largest size ever (a burst of output, a large give-back) for the daemon's life.
+JOURNAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
+
 # Retention of completed idempotency records (docs/protocol.md §8): a key is remembered for
 # this long after its call completed …
 DEFAULT_CALL_MAX_AGE_S = 24 * 3600.0
@@ -41,6 +56,15 @@ DEFAULT_CALL_MAX_AGE_S = 24 * 3600.0
 # many bytes; past it the oldest are forgotten first. Every keyed call stores its whole
 # tool.result, so without a bound a read-only holder could fill the disk with keyed reads.
 DEFAULT_CALL_MAX_RESULT_BYTES = 256 * 1024 * 1024
+
+# The journal's bound (config [journal] max_unacked_bytes): past this many bytes of events the
+# client has not acked, new tool calls are refused until it acks. A peer that calls but never
+# reads grows the journal by tens of MiB a minute; this caps it near the spool and retention
+# budgets, and is far above what a client that acks as it reads ever leaves unacked.
+DEFAULT_MAX_UNACKED_BYTES = 256 * 1024 * 1024
+
+# Above every seq (they are at most 2^53 - 1, docs/protocol.md §9).
+MAX_SEQ = 2**63 - 1
 
 # meta keys
 META_FENCE_GENERATION = "fence_generation"
@@ -255,6 +279,18 @@ class StoreError(Exception):
     answers 500 state_unavailable, a frame gets `internal`)."""
 
 
+class StoreFull(StoreError):
+    """The write failed because the state directory's file system is full (SQLITE_FULL, or
+    sqlite could not grow its shared-memory index): a passing fault, gone once space is freed.
+    Callers that can wait answer it with a retry rather than an error (docs/operations.md,
+    "Faults and what the daemon does")."""
+
+
+def store_error(message: str, exc: BaseException) -> StoreError:
+    """The StoreError for `exc`: StoreFull when it says the disk is full (fsutil.disk_full)."""
+    return (StoreFull if disk_full(exc) else StoreError)(f"{message}: {exc}")
+
+
 class StoreRefusal(Exception):
     """The store refused a write its rules forbid; nothing changed. Never a fault, and so
     never a StoreError: a refusal must not turn into a 500 or an `internal`."""
@@ -422,6 +458,11 @@ class StateStore:
         # The journal's high-water mark outside the database (state/integrity.py), raised
         # after each commit that journals events; None for a store not opened by `open`.
         self._high_water: HighWater | None = None
+        # Set when the mark's file could not be written at open (a full disk): opened again
+        # at the next commit that journals events, so once there is room the mark follows
+        # the commits again without a restart (the daemon recovers from a full disk by
+        # itself).
+        self._high_water_dir: Path | None = None
         self._journaled_through: int | None = None  # set by an append, recorded at commit
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -445,7 +486,7 @@ class StateStore:
                 # mkdir's mode is filtered by the umask; the daemon's directory is 0700 exactly.
                 os.chmod(state_dir, STATE_DIR_MODE)
         except OSError as exc:
-            raise StoreError(f"cannot create the state directory {state_dir}: {exc}") from exc
+            raise store_error(f"cannot create the state directory {state_dir}", exc) from exc
         # Before sqlite creates or opens anything: a deleted database is never re-created.
         marker = integrity.read_marker(state_dir)
         integrity.check_before_open(state_dir, path, marker)
@@ -461,27 +502,34 @@ class StateStore:
                 check_same_thread=False,  # guarded by self._lock instead
             )
         except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open state database {path}: {exc}") from exc
+            raise store_error(f"cannot open state database {path}", exc) from exc
         store = cls(conn, path, retention)
         try:
             try:
                 store._configure()
-                integrity.quick_check(conn, state_dir)
+                try:
+                    integrity.quick_check(conn, state_dir)
+                except sqlite3.Error as exc:  # only a full disk gets here (see quick_check)
+                    raise store_error("cannot check the state database", exc) from exc
                 store._migrate()
                 last_seq = store._check_instance(state_dir, marker, high_water)
             except StoreError as exc:
                 cause = exc.__cause__
                 if isinstance(cause, sqlite3.DatabaseError) and str(getattr(cause, "sqlite_errorname", "")).startswith(_CORRUPTION_CODES):
                     raise StateRefused(integrity.DAMAGED, f"{path}: {cause}", state_dir) from None
-                raise
+                raise  # StoreFull among them: the caller waits for space, then all of this again
+            # Only once the database is known to be this sandbox's, sound one: the conversion
+            # rewrites the whole file.
+            store._enable_incremental_vacuum()
             store.prune_calls()
             try:
                 store._high_water = HighWater.open(state_dir, last_seq)
             except OSError:
                 # A full disk, say: the daemon still starts. The mark stays where it was (at
                 # or below what the database holds), which weakens the next start's check
-                # and never makes it refuse this sound database.
+                # and never makes it refuse this sound database; the next commit tries again.
                 store._high_water = None
+                store._high_water_dir = state_dir
         except BaseException:
             conn.close()
             raise
@@ -509,7 +557,11 @@ class StateStore:
                 self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 integrity.write_marker(state_dir, Marker(db_instance, time.time()))
             except (OSError, sqlite3.Error) as exc:
-                raise StoreError(f"cannot record the state's instance id: {exc}") from exc
+                # On a full disk StoreFull: the caller waits for space and opens again, which
+                # adopts the id already committed and writes the marker then. Never a refusal
+                # (the state is sound) and never a start without the marker (a database
+                # deleted meanwhile would go unnoticed).
+                raise store_error("cannot record the state's instance id", exc) from exc
         return last_seq
 
     def close(self) -> None:
@@ -528,14 +580,19 @@ class StateStore:
 
     def _configure(self) -> None:
         try:
+            # Before anything creates the file's first page (WAL mode does): a new database
+            # gets incremental auto-vacuum at no cost; an older one is converted once after
+            # the migrations (_enable_incremental_vacuum). On an existing file this is a no-op.
+            self._conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
             mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
                 raise StoreError(f"sqlite refused WAL mode (got {mode!r})")
             # NORMAL in WAL mode: a commit survives a process kill (not a power loss), which
             # is the guarantee docs/protocol.md §9 gives, at a fraction of FULL's cost.
             self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT_BYTES}")
         except sqlite3.Error as exc:
-            raise StoreError(f"cannot configure state database: {exc}") from exc
+            raise store_error("cannot configure state database", exc) from exc
 
     def _migrate(self) -> None:
         with self._transaction() as conn:
@@ -545,6 +602,10 @@ class StateStore:
                     f"state database schema {version} is newer than this supervisor's "
                     f"{SCHEMA_VERSION}"
                 )
+            if version == SCHEMA_VERSION:
+                # Nothing to do, and nothing written: a start on a full disk must not fail
+                # on a header rewrite that changes nothing.
+                return
             for step in range(version, SCHEMA_VERSION):
                 for statement in _MIGRATIONS[step]:
                     if callable(statement):
@@ -553,6 +614,60 @@ class StateStore:
                         conn.execute(statement)
             # PRAGMA arguments cannot be bound parameters; the value is our own int.
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def _enable_incremental_vacuum(self) -> None:
+        """Convert a database created before incremental auto-vacuum, once: only a VACUUM
+        can (it rewrites the file: about 1 s for 85 MB here, and needs that much free space).
+        When it fails (a full disk) the daemon runs on without giving space back, and tries
+        again at the next start."""
+        conn = self._conn
+        try:
+            if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == AUTO_VACUUM_INCREMENTAL:
+                return
+            started = time.monotonic()
+            conn.execute("VACUUM")
+        except sqlite3.Error as exc:
+            log.warning("state.vacuum_failed", error=str(exc))
+            return
+        log.info("state.vacuumed", duration_s=round(time.monotonic() - started, 3), bytes=self.path.stat().st_size)
+
+    def free_pages(self) -> int:
+        """Pages of the database file that hold nothing (freed by pruning)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            try:
+                return int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+            except sqlite3.Error as exc:
+                raise store_error("cannot read the free page count", exc) from exc
+
+    def give_back_pages(self, pages: int = VACUUM_STEP_PAGES) -> int:
+        """Return up to `pages` free pages to the file system (one incremental-vacuum step, its
+        own transaction); the free pages left. A database without incremental auto-vacuum
+        returns none (the loop that calls this stops when nothing changes)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            conn = self._conn
+            if conn.in_transaction:
+                raise StoreError("state store transactions do not nest")
+            try:
+                # executescript steps the pragma to its end: execute() would free one page.
+                conn.executescript(f"PRAGMA incremental_vacuum({int(pages)});")
+                return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
+            except sqlite3.Error as exc:
+                raise store_error("cannot give free pages back", exc) from exc
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database without waiting for readers (PASSIVE): the file
+        shrinks to what the vacuum left, and the WAL is cut back at its next reset."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("state store is closed")
+            try:
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            except sqlite3.Error as exc:
+                raise store_error("cannot checkpoint", exc) from exc
 
     @contextmanager
     def _transaction(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
@@ -570,7 +685,7 @@ class StateStore:
                 # cannot fail half way with SQLITE_BUSY; reads take a consistent snapshot.
                 conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
             except sqlite3.Error as exc:
-                raise StoreError(f"cannot begin a transaction: {exc}") from exc
+                raise store_error("cannot begin a transaction", exc) from exc
             self._journaled_through = None
             try:
                 yield conn
@@ -582,7 +697,7 @@ class StateStore:
                 except sqlite3.Error:
                     pass  # the original error is the one worth reporting
                 if isinstance(exc, sqlite3.Error):
-                    raise StoreError(f"state database error: {exc}") from exc
+                    raise store_error("state database error", exc) from exc
                 raise
             self._record_high_water()
 
@@ -591,11 +706,16 @@ class StateStore:
         failure to write it is not the commit's (it stands): the mark stays behind, which
         weakens the start-up check and never makes it refuse a sound database."""
         seq, self._journaled_through = self._journaled_through, None
-        if seq is not None and self._high_water is not None:
-            try:
+        if seq is None:
+            return
+        try:
+            if self._high_water is not None:
                 self._high_water.record(seq)
-            except OSError:
-                pass
+            elif self._high_water_dir is not None:
+                self._high_water = HighWater.open(self._high_water_dir, seq)
+                self._high_water_dir = None
+        except OSError:
+            pass
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -623,6 +743,16 @@ class StateStore:
             ack_floor=int(meta.get(META_ACK_FLOOR, 0)),
             oldest_retained_seq=oldest if oldest is not None else last_seq + 1,
         )
+
+    def frame_bytes(self, after: int, through: int | None = None) -> int:
+        """The UTF-8 bytes of the events with a seq above `after` (and up to `through`): the
+        unacknowledged journal when `after` is the floor, what an ack covers otherwise."""
+        with self._transaction(write=False) as conn:
+            row = conn.execute(
+                "SELECT COALESCE(SUM(length(CAST(frame_json AS BLOB))), 0) FROM events WHERE seq > ? AND seq <= ?",
+                (after, MAX_SEQ if through is None else through),
+            ).fetchone()
+        return int(row[0])
 
     def jti_seen(self, jti: str, now: float) -> bool:
         """True when `jti` is in the cache and not yet expired (expired rows are forgotten)."""
