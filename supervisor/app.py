@@ -37,7 +37,9 @@ from sandbox_supervisor.daemon.runtime import cgroups as cgroup_modes
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
+from sandbox_supervisor.daemon.runtime.adoption import finish_adopted
 from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
+from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
 from sandbox_supervisor.daemon.runtime.service import Runtime
 from sandbox_supervisor.daemon.runtime.holder_starter import HolderStarter
 from sandbox_supervisor.daemon.runtime.process_host import ProcessHost
@@ -386,7 +388,7 @@ async def run_supervisor(
         cgroups = detect_isolation(config)
         # Calls a previous instance left pending are completed before anyone can connect, so
         # a reconnecting client finds exactly one result for each of them.
-        recovered = recover_pending_calls(
+        recovery = recover_pending_calls(
             store,
             config.paths.state_dir,
             max_file_bytes=config.files.max_file_bytes,
@@ -394,8 +396,12 @@ async def run_supervisor(
             roots=roots,
             cgroups=cgroups,
         )
-        if recovered:
-            log.warning("calls.recovered", count=recovered)
+        if recovery.completed:
+            log.warning("calls.recovered", count=recovery.completed)
+        if recovery.adopted:
+            # Their commands still run under the previous daemon's command host: completed
+            # with their real results once they end (runtime/adoption.py).
+            log.warning("calls.adopted", count=len(recovery.adopted))
         daemon = assemble(
             config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who, cgroups
         )
@@ -407,6 +413,9 @@ async def run_supervisor(
         try:
             async with trio.open_nursery() as nursery:
                 start_runtime(daemon, nursery)
+                adoption_env = RecoveryEnv(store, Path(config.paths.state_dir), roots=roots)
+                for adopted in recovery.adopted:
+                    nursery.start_soon(finish_adopted, adopted, adoption_env, daemon.journal, cgroups)
                 if handle_signals:
                     await nursery.start(_watch_signals, daemon)
                 limits = FrontLimits(
@@ -466,6 +475,9 @@ async def drain(daemon: Daemon) -> None:
         # have exited; give them a moment beyond the completion grace.
         with trio.move_on_after(STOP_COMPLETION_BUDGET_S):
             await daemon.shell.wait_calls_completed()
+        # Every command's end is known: the command host exits (one still running, past
+        # the budget, is recorded by it for the next start).
+        await daemon.shell.host.aclose()
     daemon.hub.close_all(closes.CLOSE_GOING_AWAY, closes.STOPPING_REASON)
     with trio.move_on_after(daemon.config.websocket.drain_budget_s):
         await daemon.hub.wait_all_closed()
