@@ -26,6 +26,7 @@ PATCH_DOES_NOT_APPLY = "patch_does_not_apply"
 FILE_TOO_LARGE = "file_too_large"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 TOO_MANY_PROCESSES = "too_many_processes"
+RESOURCE_EXHAUSTED = "resource_exhausted"
 INTERRUPTED = "interrupted"
 INTERNAL = "internal"
 
@@ -86,6 +87,7 @@ TOOL_ERROR_CODES = frozenset(
         FILE_TOO_LARGE,
         IDEMPOTENCY_KEY_REUSED,
         TOO_MANY_PROCESSES,
+        RESOURCE_EXHAUSTED,
         INTERRUPTED,
         INTERNAL,
     }
@@ -218,13 +220,20 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
         "exec.max_processes commands are running or being spawned; nothing ran, and the key "
         "is free again."
     ),
+    RESOURCE_EXHAUSTED: (
+        "The machine was short of something for a moment: a command could not be started "
+        "(EMFILE, ENFILE, EAGAIN, ENOMEM, ENOSPC, EDQUOT), or a file tool could not open, read "
+        "or write (EMFILE, ENFILE, ENOMEM, ENOSPC, EDQUOT); nothing ran or was written, and "
+        "the key is free again: retry later."
+    ),
     INTERRUPTED: (
         "A stop or a crash cut the call and the next start resolved it (never re-run); or a "
         "command refused because the stop had begun (the key is free again)."
     ),
     INTERNAL: (
-        "The file system refused a read or a write, a command could not be started, a file "
-        "kept changing during read_file or apply_file_patch, or a bug (logged)."
+        "The file system refused a read or a write, or a command could not be started, for "
+        "a reason other than a shortage (resource_exhausted); a file kept changing during "
+        "read_file or apply_file_patch; or a bug (logged)."
     ),
 }
 

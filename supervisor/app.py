@@ -49,6 +49,7 @@ from sandbox_supervisor.daemon.runtime.registry import bind_tools
 from sandbox_supervisor.daemon.session.bootstrap import BindingRules
 from sandbox_supervisor.daemon.session.hub import SessionHub
 from sandbox_supervisor.daemon.session.socket import SessionServices, SocketSettings, serve_control_socket
+from sandbox_supervisor.daemon.state.integrity import StateRefused
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore, StoreError
 from sandbox_supervisor.daemon.status import (
@@ -458,7 +459,8 @@ async def run_supervisor(
 
 async def drain(daemon: Daemon) -> None:
     """Refuse new upgrades; end running commands (SIGTERM, SIGKILL after the grace) so their
-    completions are journaled; then close every socket with 1001 within the drain budget."""
+    completions are journaled; send every socket what the journal holds, within the drain
+    budget; then close every socket with 1001 within the drain budget."""
     status = daemon.status
     if status.lifecycle is Lifecycle.SERVING:
         status.lifecycle = Lifecycle.DRAINING
@@ -478,8 +480,19 @@ async def drain(daemon: Daemon) -> None:
         # Every command's end is known: the command host exits (one still running, past
         # the budget, is recorded by it for the next start).
         await daemon.shell.host.aclose()
+    # Closing a socket cancels its sender, wherever it is: a result journaled a moment ago
+    # (or a backlog a slow client has not read yet) would never be sent, and a send cut off
+    # mid-frame corrupts the stream before the close frame. So every sender first catches up
+    # with the journal, within the budget; past it the client gets the rest by replay.
+    budget = daemon.config.websocket.drain_budget_s
+    last_seq = daemon.journal.last_seq
+    with trio.move_on_after(budget) as flush:
+        await daemon.hub.flush_all(last_seq)
+    if flush.cancelled_caught:
+        behind = sorted(c.sender.cursor for c in daemon.hub.open if c.sender is not None and not c.sender.stopped)
+        log.warning("drain.flush_incomplete", last_seq=last_seq, cursors=behind, budget_s=budget)
     daemon.hub.close_all(closes.CLOSE_GOING_AWAY, closes.STOPPING_REASON)
-    with trio.move_on_after(daemon.config.websocket.drain_budget_s):
+    with trio.move_on_after(budget):
         await daemon.hub.wait_all_closed()
 
 
@@ -490,6 +503,11 @@ def serve_main(config: SupervisorConfig) -> int:
         return trio.run(run_supervisor, config)
     except StartupError as exc:
         log.error("supervisor.bad_configuration", problem=str(exc))
+        return EXIT_CONFIG
+    except StateRefused as exc:
+        # Never a silent fresh start, never a traceback: one line saying what is wrong and
+        # what the operator can do (docs/operations.md, "Faults and what the daemon does").
+        log.error("supervisor.state_refused", problem=exc.problem, detail=exc.detail, action=exc.action)
         return EXIT_CONFIG
     except OSError as exc:
         log.error("supervisor.start_failed", error=str(exc))

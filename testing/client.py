@@ -35,7 +35,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (repl
 FRAME_ERRORS = (errors.INVALID_FRAME, errors.UNKNOWN_KIND, errors.GENERATION_MISMATCH)
 # Results that never held the idempotency key (docs/protocol.md §8): after a tool.pending
 # they are not the one result the key's first execution will produce.
-NON_CLAIMING_CODES = frozenset({errors.TOO_MANY_PROCESSES, errors.IDEMPOTENCY_KEY_REUSED})
+NON_CLAIMING_CODES = frozenset({errors.TOO_MANY_PROCESSES, errors.RESOURCE_EXHAUSTED, errors.IDEMPOTENCY_KEY_REUSED})
 # How often call_and_wait sends a call again (same key) after the daemon said it could not
 # record its result yet (error frame `internal` for the call).
 RECORD_RETRIES = 3

@@ -243,3 +243,64 @@ async def test_spool_budget_counts_the_disk_and_prunes_the_oldest_unkept(tmp_pat
     assert spool_dir(tmp_path, oldest).exists() and spool_dir(tmp_path, newest).exists()
     assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path))
     assert budget.add(0) is False
+
+
+async def test_a_prune_takes_only_finished_spools(tmp_path, store):
+    """Over the cap with nothing kept by the caller, a prune still leaves every spool that may
+    be written: a stream whose writer is open, a held process's without its exit record, and
+    a command's that has written nothing yet (known only to the process that runs it)."""
+    state_dir = store.path.parent
+    finished, writing, held, silent = (str(uuid.uuid4()) for _ in range(4))
+    for age, call_id in enumerate((finished, writing, held)):
+        write_spool(state_dir, call_id, 100, mtime=1_000_000 - age * 1000)  # all older than `finished`
+    open_writer = SpoolWriter(stream_path(state_dir, writing, "stderr"), 100)
+    open_writer.write(b"still running")
+    (spool_dir(state_dir, held) / "spec.json").write_text("{}")
+    output = CommandOutput.open(state_dir, silent, FAST, Journal(store))
+    budget = SpoolBudget(state_dir, cap_bytes=0)
+    await budget.prune(keep=set())
+    assert not spool_dir(state_dir, finished).exists()
+    assert all(spool_dir(state_dir, c).exists() for c in (writing, held, silent))
+    # Once they end, they are finished like any other.
+    open_writer.close()
+    (spool_dir(state_dir, held) / "exit.json").write_text("{}")
+    output.close()
+    await budget.prune(keep=set())
+    assert spool_usage(state_dir) == []
+    assert budget.bytes == 0
+
+
+async def test_prunes_run_one_at_a_time(tmp_path, monkeypatch):
+    """Prunes asked for together (commands finishing at once) never scan and delete side by
+    side, where each would trip over what the other removed: one pass runs, and takes the
+    others' requests over."""
+    import threading
+    import time
+
+    for age in range(20):
+        write_spool(tmp_path, str(uuid.uuid4()), 100, mtime=1_000_000 - age * 1000)
+    running, most, lock = [0], [0], threading.Lock()
+    real = trio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        def slow(*inner: Any) -> Any:
+            time.sleep(0.05)  # long enough for the other requests to arrive meanwhile
+            return fn(*inner)
+
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            return await real(slow, *args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)  # the budget's worker threads
+    budget = SpoolBudget(tmp_path, cap_bytes=500)
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(budget.prune, set())
+    assert most[0] == 1
+    assert sum(u.bytes for u in spool_usage(tmp_path)) <= 500 == budget.cap_bytes
+    assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path))

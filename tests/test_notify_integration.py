@@ -107,3 +107,62 @@ async def test_terminated_daemon_reports_stopping_at_start(tmp_path, authority):
         assert all("READY=1" not in text for _, text in listener.messages)
     finally:
         listener.close()
+
+
+# How long the daemon is kept stopped: several ping intervals (half of WATCHDOG_USEC).
+STOPPED_S = 1.0
+# Everything queued meanwhile is answered within this much of SIGCONT (~0.1 s unloaded).
+RESUME_BOUND_S = 1.0
+# A ping the daemon sent just before the stop may be read this much later.
+STRAGGLER_S = 0.1
+
+
+async def test_a_stopped_daemon_answers_and_pings_at_once_when_continued(tmp_path, authority):
+    """SIGSTOP (docs/operations.md, "The daemon stopped"): while stopped, no WATCHDOG=1 goes
+    out, so the stall shows up whole in the gap systemd's watchdog judges; at SIGCONT the pings
+    resume and a call sent meanwhile is answered at once, nothing lost."""
+    layout = make_layout(tmp_path / "d", authority=authority)
+    (layout.workspace / "f.txt").write_text("hello\n")
+    listener = NotifyListener(tmp_path / "notify.sock")
+    await listener.bind()
+    env = {"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": str(WATCHDOG_USEC)}
+    pings: list[float] = []
+
+    async def collect_pings() -> None:
+        while True:
+            if await listener.next(timeout=60) == "WATCHDOG=1":
+                pings.append(trio.current_time())
+
+    try:
+        async with running_daemon(layout, env=env) as process:
+            client = process.running.client()
+            async with client.connect() as session, trio.open_nursery() as nursery:
+                await session.bootstrap(cwd=str(layout.workspace))
+                nursery.start_soon(collect_pings)
+                await listener_pinged(pings, 2)
+                process.send_signal(signal.SIGSTOP)
+                stopped_at = trio.current_time()
+                call_id = await session.call("read_file", {"path": "f.txt"}, idempotency_key="while-stopped")
+                await trio.sleep(STOPPED_S)  # the stall itself, not a wait for a condition
+                before = len(pings)
+                continued_at = trio.current_time()
+                process.send_signal(signal.SIGCONT)
+                result = await session.result(call_id, timeout=10)
+                answered_at = trio.current_time()
+                await listener_pinged(pings, before + 1)
+                nursery.cancel_scope.cancel()
+    finally:
+        listener.close()
+    assert result["ok"] is True and result["result"]["content"] == "hello\n"
+    assert answered_at - continued_at < RESUME_BOUND_S
+    # Silent while stopped (a ping sent just before the stop may be read a moment late), so
+    # the gap systemd sees is the whole stall plus up to one ping interval before it.
+    assert not [t for t in pings if stopped_at + STRAGGLER_S < t < continued_at]
+    resumed = next(t for t in pings if t > continued_at)
+    assert resumed - continued_at < RESUME_BOUND_S
+
+
+async def listener_pinged(pings: list[float], count: int) -> None:
+    with trio.fail_after(10):
+        while len(pings) < count:
+            await trio.sleep(0.01)

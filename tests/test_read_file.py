@@ -150,12 +150,17 @@ def test_ranges_across_read_chunks_are_exact(tmp_path_factory, data, offset, len
 def test_os_errors_become_typed_failures_with_the_systems_words():
     import errno as errno_module
 
-    from sandbox_supervisor.protocol.errors import INTERNAL
+    from sandbox_supervisor.protocol.errors import INTERNAL, RESOURCE_EXHAUSTED
     from sandbox_supervisor.daemon.runtime.failures import os_failure
 
     denied = os_failure(PermissionError(errno_module.EACCES, "Permission denied"), "read")
     assert (denied.code, denied.message) == (INTERNAL, "The file could not be read: Permission denied.")
     full = os_failure(OSError(errno_module.ENOSPC, "No space left on device"), "written")
-    assert (full.code, full.message) == (INTERNAL, "The file could not be written: No space left on device.")
+    # A shortage, not the call's fault: its own code, which frees the key.
+    assert (full.code, full.message) == (
+        RESOURCE_EXHAUSTED,
+        "The file could not be written: No space left on device; retry later.",
+    )
+    assert full.frees_key
     long_name = os_failure(OSError(errno_module.ENAMETOOLONG, "File name too long"), "read")
     assert long_name.code == INVALID_PARAMETERS

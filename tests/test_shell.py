@@ -379,6 +379,50 @@ async def test_spools_past_the_disk_cap_lose_their_oldest_finished_calls(tmp_pat
         assert daemon.supervisor.shell.spool_bytes <= 150_000 + 60000
 
 
+# Bursts of short commands beside a long one whose spool alone passes a small cap: every
+# command that finishes asks for a prune while others start and write.
+BURSTS, BURST_SIZE = 4, 12
+LINE = "x" * 100
+
+
+async def test_pruning_never_takes_a_running_commands_spool(tmp_path, authority):
+    layout = make_layout(
+        tmp_path / "d", authority=authority, exec={"spool_total_max_bytes": 1000, "max_processes": 2 * BURST_SIZE}
+    )
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            long_id = await session.call(
+                "execute_shell_command", {"command": "head -c 5000 /dev/zero; sleep 30"}, idempotency_key="long"
+            )
+            await session.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == long_id)
+            ids = []
+            for _ in range(BURSTS):
+                burst = [
+                    await session.call(
+                        "execute_shell_command",
+                        {"command": f"echo {LINE}; sleep 0.0{i % 10}; echo {LINE}"},
+                        idempotency_key=f"k-{uuid.uuid4()}",
+                    )
+                    for i in range(BURST_SIZE)
+                ]
+                for call_id in burst:
+                    await session.result(call_id, timeout=20)
+                ids += burst
+            # Each command's spool was there for all of its run: its summary has every byte.
+            for call_id in ids:
+                stdout = (await session.result(call_id))["result"]["stdout"]
+                assert (stdout["bytes"], stdout["truncated"]) == (2 * (len(LINE) + 1), False), call_id
+            # The long command, still running and far past the cap alone, keeps its spool.
+            await session.send("exec.read_output", {"call_id": long_id, "stream": "stdout", "offset": 0, "length": 65536})
+            page = await session.receive_until(lambda f: f["kind"] == "exec.output_page")
+            assert len(base64.b64decode(page["body"]["data"])) == 5000
+            # Finished spools did go, oldest first, down to what still runs.
+            assert not spool_dir(layout.state_dir, ids[0]).exists()
+            await session.send("exec.signal", {"call_id": long_id, "signal": "SIGKILL"})
+            await session.result(long_id)
+
+
 async def test_a_lingering_group_is_forgotten_once_its_last_process_exits(daemon, session):
     """A background process that closed its pipes outlives the call. The daemon keeps its
     group (a stop must still end it) only until the group is empty: after that the number

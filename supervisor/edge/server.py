@@ -14,7 +14,7 @@ import socket as stdlib_socket
 import stat
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -104,6 +104,20 @@ PROBE_SLOTS_PER_PEER = 2
 PROBE_HEAD_TIMEOUT_S = 1.0
 # Refused, dropped and timed-out pre-auth connections are counted and logged once per interval.
 REFUSAL_SUMMARY_INTERVAL_S = 10.0
+# accept(2) errors that say this process or the machine is out of something for a moment
+# (EMFILE: our descriptor limit; ENFILE: the system's; ENOBUFS, ENOMEM: kernel memory), not
+# that the listener is broken. The pending connection stays in the backlog, so the listener
+# waits and tries again instead of ending the daemon. Backing off matters: the listening
+# socket stays readable while the error lasts, so an immediate retry would spin.
+ACCEPT_EXHAUSTION_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+# The first wait after such an error; each further one in a row doubles it, up to the
+# maximum, which bounds how long a connection waits after the resource is back.
+ACCEPT_BACKOFF_INITIAL_S = 0.1
+ACCEPT_BACKOFF_MAX_S = 1.0
+# Accept failures are logged like refusals: the first of an interval at once, then one
+# summary with the count of the others (at 10 failures a second per listener, one line per
+# failure would flood the log exactly when the machine is short of resources).
+ACCEPT_FAILURE_SUMMARY_INTERVAL_S = REFUSAL_SUMMARY_INTERVAL_S
 # struct ucred (SO_PEERCRED): pid_t pid, uid_t uid, gid_t gid.
 PEERCRED_FORMAT = "iII"
 PEERCRED_BYTES = struct.calcsize(PEERCRED_FORMAT)
@@ -190,6 +204,38 @@ class Refusals:
 
     def drain(self) -> dict[str, int]:
         counts, self.counts = dict(self.counts), Counter()
+        return counts
+
+
+def next_accept_backoff(previous_s: float | None) -> float:
+    """How long to wait after an accept error in ACCEPT_EXHAUSTION_ERRNOS, given the wait
+    after the previous one in a row (None: the accept before it succeeded)."""
+    if previous_s is None:
+        return ACCEPT_BACKOFF_INITIAL_S
+    return min(previous_s * 2, ACCEPT_BACKOFF_MAX_S)
+
+
+class AcceptFailures:
+    """Counts of accept errors in ACCEPT_EXHAUSTION_ERRNOS, per errno name, between summaries."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._logged = False  # the first of this interval has had its line
+
+    def note(self, exc: OSError, backoff_s: float) -> None:
+        name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        if not self._logged:
+            # One JSON line, no traceback: the errno says all there is (the cause is outside
+            # the daemon), and the summary counts the rest of the interval.
+            self._logged = True
+            log.warning("http.accept_failed", errno=name, error=exc.strerror, retry_in_s=backoff_s)
+        else:
+            self.counts[name] += 1
+
+    def drain(self) -> dict[str, int]:
+        """The failures not logged since the last drain; the next one is logged at once."""
+        counts, self.counts = dict(self.counts), Counter()
+        self._logged = False
         return counts
 
 
@@ -555,6 +601,49 @@ async def _summarise_refusals(refusals: Refusals) -> None:
             log.info("http.refused_summary", interval_s=REFUSAL_SUMMARY_INTERVAL_S, **counts)
 
 
+async def _summarise_accept_failures(failures: AcceptFailures) -> None:
+    """One line per interval with the accept errors the first line did not show."""
+    while True:
+        await trio.sleep(ACCEPT_FAILURE_SUMMARY_INTERVAL_S)
+        counts = failures.drain()
+        if counts:
+            log.warning("http.accept_failed_summary", interval_s=ACCEPT_FAILURE_SUMMARY_INTERVAL_S, **counts)
+
+
+async def _run_handler(stream: trio.SocketStream, handler: Callable[[trio.SocketStream], Awaitable[None]]) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
+
+
+async def _accept_loop(
+    listener: trio.SocketListener,
+    handler_nursery: trio.Nursery,
+    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    failures: AcceptFailures,
+) -> None:
+    """trio.serve_listeners' loop for one listener, with our own answer to a shortage: it
+    waits a fixed 100 ms and logs each error through the `logging` module with its
+    traceback (many lines of text per error, none of them JSON, ten a second). Here the wait
+    backs off and the log is one JSON line per interval (AcceptFailures). Any other error
+    ends the listener, as in trio: it means the listening socket itself is broken."""
+    async with listener:
+        backoff_s: float | None = None
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                if exc.errno not in ACCEPT_EXHAUSTION_ERRNOS:
+                    raise
+                backoff_s = next_accept_backoff(backoff_s)
+                failures.note(exc, backoff_s)
+                await trio.sleep(backoff_s)
+                continue
+            backoff_s = None
+            handler_nursery.start_soon(_run_handler, stream, handler)
+
+
 async def serve(
     listeners: list[trio.SocketListener],
     app: ConnectionApp,
@@ -562,14 +651,17 @@ async def serve(
     *,
     task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Accept until cancelled. Connection tasks live in the nursery passed to
-    serve_listeners, so cancelling this call ends them too."""
+    """Accept until cancelled. Connection tasks live in this call's nursery, so cancelling
+    it ends them too."""
     budgets = FrontBudgets(limits)
+    failures = AcceptFailures()
 
     async def handler(stream: trio.SocketStream) -> None:
         await handle_stream(stream, app, budgets)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_summarise_refusals, budgets.refusals)
-        serving = await nursery.start(trio.serve_listeners, handler, listeners)
-        task_status.started(serving)
+        nursery.start_soon(_summarise_accept_failures, failures)
+        for listener in listeners:
+            nursery.start_soon(_accept_loop, listener, nursery, handler, failures)
+        task_status.started(listeners)

@@ -1,5 +1,5 @@
-"""Command line: serve, check-config, keys, onboard-template, install-units, --version
-(docs/operations.md).
+"""Command line: serve, check-config, reset-state, keys, onboard-template, install-units,
+--version (docs/operations.md).
 
 The daemon (`app`) is imported inside its handler, so the light commands (check-config, keys)
 start fast and work without the daemon's dependencies loaded. The demo is the kit's
@@ -70,6 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check-config", help="validate and print the configuration")
     _add_config_flag(check)
     check.set_defaults(handler=_cmd_check_config)
+
+    reset = commands.add_parser(
+        "reset-state",
+        help="move a refused state aside so the next start begins afresh",
+        description="Move the state database (with its -wal and -shm), instance.json, the "
+        "journal's high-water mark and the spool into STATE_DIR/damaged-<UTC time>/ (nothing is "
+        "deleted); the next start initialises a new, unbound state. Run it with the daemon "
+        "stopped, after it refused to start (supervisor.state_refused, exit 2).",
+    )
+    _add_config_flag(reset)
+    reset.add_argument("--state-dir", metavar="DIR", help="the state directory (default: paths.state_dir)")
+    reset.set_defaults(handler=_cmd_reset_state)
 
 
     keys = commands.add_parser("keys", help="development keys and assertions")
@@ -185,6 +197,32 @@ def _jwks_problems(path: Path) -> list[tuple[str, str]]:
     except Exception as exc:  # any refusal of the key set is a configuration problem
         return [(key, f"{path} is not a usable JWKS: {exc}")]
     return []
+
+
+def _cmd_reset_state(args: argparse.Namespace) -> int:
+    import time
+
+    from sandbox_supervisor.daemon.state.integrity import move_aside, reset_stamp
+    from sandbox_supervisor.daemon.state.store import DB_FILENAME
+
+    overrides = {} if args.state_dir is None else {"paths.state_dir": args.state_dir}
+    config = _load(args, overrides)
+    if config is None:
+        return EXIT_CONFIG
+    state_dir = Path(config.paths.state_dir)
+    if not state_dir.is_dir():
+        _error(f"{state_dir} is not a directory")
+        return EXIT_CONFIG
+    try:
+        moved = move_aside(state_dir, DB_FILENAME, reset_stamp(time.time()))
+    except OSError as exc:
+        _error(f"cannot move the state in {state_dir} aside: {exc}")
+        return EXIT_CONFIG
+    if moved is None:
+        print(f"nothing to move in {state_dir}: the next start initialises a new state")
+    else:
+        print(f"moved the state of {state_dir} to {moved}: the next start initialises a new state")
+    return EXIT_OK
 
 
 def _cmd_keys_generate(args: argparse.Namespace) -> int:

@@ -16,8 +16,11 @@ holder; with a command user the agent's code cannot kill the host).
 from __future__ import annotations
 
 import array
+import contextlib
+import errno
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -198,7 +201,18 @@ class CommandHost:
             hosted = self._processes.get(call_id)
             if hosted is not None:
                 hosted._set_status(int(message["status"]))
-        elif op == "spawned" and len(fds) == _FDS_PER_SPAWN and self._reply is None:
+        elif op == "spawned" and len(fds) != _FDS_PER_SPAWN and self._reply is None:
+            # The kernel dropped the descriptors (MSG_CTRUNC): this process is at its
+            # descriptor limit. The command must not run untended: killed, forgotten, and the
+            # spawn fails as a shortage (resource_exhausted frees the key).
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.killpg(int(message["pid"]), signal.SIGKILL)
+            self._unsent.append(json.dumps({"op": "done", "id": call_id}).encode())
+            self._reply = {"op": "failed", "id": call_id, "stage": "receive", "errno": errno.EMFILE, "message": ""}
+            return
+        elif op == "spawned" and self._reply is None:
             # Registered before anyone else reads: the `exited` that may follow must find it.
             self._processes[call_id] = HostedProcess(
                 self,

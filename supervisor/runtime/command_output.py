@@ -15,7 +15,8 @@ record); this module is the trio plumbing between a pair of pipes and them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,15 @@ import trio
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_OUTPUT
 from sandbox_supervisor.daemon.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
-from sandbox_supervisor.daemon.runtime.spool import SpoolWriter, prune_spools, spool_usage, stream_path
+from sandbox_supervisor.daemon.runtime.holder_protocol import EXIT_FILE, SPEC_FILE
+from sandbox_supervisor.daemon.runtime.spool import (
+    SpoolWriter,
+    read_state,
+    remove_spool,
+    spool_dir,
+    spool_usage,
+    stream_path,
+)
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
 from sandbox_supervisor.daemon.state.store import StoreError
@@ -39,6 +48,8 @@ __all__ = [
     "SpoolBudget",
     "StreamOutput",
     "output_event",
+    "prune_finished_spools",
+    "spools_being_written",
 ]
 
 log = structlog.get_logger("supervisor.shell")
@@ -49,6 +60,19 @@ READ_CHUNK_BYTES = 64 * 1024
 CLOCK_EPSILON_S = 1e-6
 
 Event = tuple[str, dict[str, Any]]
+
+
+# The call ids whose spool a CommandOutput of this process is still writing, by state
+# directory. A call id is added before its spool's directory exists and removed once both of
+# its writers are closed, so a prune (in a worker thread, scanning while commands start and
+# end) never deletes a spool that a command still writes, whenever it looks: it checks the
+# set right before each deletion, and a membership test is atomic under the GIL.
+_BEING_WRITTEN: dict[str, set[str]] = {}
+
+
+def spools_being_written(state_dir: str | os.PathLike[str]) -> set[str]:
+    """The live set (not a copy) of call ids whose spools are written under `state_dir`."""
+    return _BEING_WRITTEN.setdefault(os.path.abspath(state_dir), set())
 
 
 def output_event(call_id: str, stream: Stream, chunk: OutputChunk) -> Event:
@@ -97,6 +121,7 @@ class CommandOutput:
         journal: Journal,
         telemetry: Telemetry | None = None,
         origin: str | None = None,
+        being_written: set[str] | None = None,
     ) -> None:
         if set(streams) != set(STREAMS):
             raise ValueError(f"a command's output has the streams {STREAMS}")
@@ -115,6 +140,8 @@ class CommandOutput:
         # The call has completed and both pipes are closed: nothing is left but the flusher's
         # last round, which must not wait for a throttle window to end.
         self._drained = trio.Event()
+        # Where this spool is registered as being written (`open` registers it), until `close`.
+        self._being_written = being_written
 
     @classmethod
     def open(
@@ -130,6 +157,10 @@ class CommandOutput:
         byte). OSError when it cannot be created — FileExistsError for a call that already
         has one."""
         streams: dict[Stream, StreamOutput] = {}
+        being_written = spools_being_written(state_dir)
+        if call_id in being_written:
+            raise FileExistsError(f"the spool of {call_id} is already being written")
+        being_written.add(call_id)  # before the directory exists: see _BEING_WRITTEN
         try:
             for name in STREAMS:
                 streams[name] = StreamOutput(
@@ -139,8 +170,9 @@ class CommandOutput:
         except BaseException:
             for stream in streams.values():
                 stream.spool.close()
+            being_written.discard(call_id)
             raise
-        return cls(call_id, streams, journal, telemetry, origin)
+        return cls(call_id, streams, journal, telemetry, origin, being_written)
 
     # --- what the call asks ----------------------------------------------------------------
 
@@ -177,9 +209,12 @@ class CommandOutput:
         return sum(stream.spool.size for stream in self.streams.values())
 
     def close(self) -> None:
-        """Close both spools (recording their final state). Idempotent."""
+        """Close both spools (recording their final state); from then on a prune may take
+        them. Idempotent."""
         for stream in self.streams.values():
             stream.spool.close()
+        if self._being_written is not None:
+            self._being_written.discard(self.call_id)
 
     # --- the tasks --------------------------------------------------------------------------
 
@@ -262,34 +297,113 @@ class CommandOutput:
             log.warning("exec.output_not_journaled", call_id=self.call_id, events=len(events))
 
 
+def spool_in_use(state_dir: str | os.PathLike[str], call_id: str) -> bool:
+    """What the spool itself says about a writer that may still add to it: a held process's
+    holder that has not recorded its end (its `spec.json` without an `exit.json`), or a stream
+    file whose state is not `ended`. A stream that has no file yet says nothing: a command
+    that has written nothing is known only to the process that runs it."""
+    directory = spool_dir(state_dir, call_id)
+    if (directory / SPEC_FILE).exists() and not (directory / EXIT_FILE).exists():
+        return True
+    for name in STREAMS:
+        path = stream_path(state_dir, call_id, name)
+        if path.exists():
+            state = read_state(path)
+            if state is None or not state.ended:
+                return True
+    return False
+
+
+def prune_finished_spools(
+    state_dir: str | os.PathLike[str], cap_bytes: int, keep: Container[str]
+) -> tuple[list[str], int]:
+    """Delete finished commands' spools, oldest (by last write) first, until all spools fit in
+    `cap_bytes`; (call ids removed, bytes left). Never a spool in `keep` (asked right before
+    each deletion, so a live container covers commands that started during the scan), nor one
+    that is still in use on disk (`spool_in_use`): when the running commands alone pass the
+    cap, they are all kept and the total stays above it until they finish."""
+    usage = spool_usage(state_dir)
+    total = sum(u.bytes for u in usage)
+    removed = []
+    for item in usage:
+        if total <= cap_bytes:
+            break
+        if item.call_id in keep or spool_in_use(state_dir, item.call_id):
+            continue
+        remove_spool(state_dir, item.call_id)
+        removed.append(item.call_id)
+        total -= item.bytes
+    return removed, total
+
+
+class _Kept:
+    """What a prune must keep: the spools the caller named, and those being written now."""
+
+    def __init__(self, named: set[str], being_written: set[str]) -> None:
+        self._named = named
+        self._being_written = being_written
+
+    def __contains__(self, call_id: object) -> bool:
+        return call_id in self._named or call_id in self._being_written
+
+
 class SpoolBudget:
     """The bytes in all spools against `exec.spool_total_max_bytes`.
 
     Tracked in memory so that the cap is checked without scanning the disk after every
     command; the disk is scanned (and the oldest finished spools deleted) only when the
-    count passes the cap.
+    count passes the cap. One prune runs at a time: a request while one runs is folded into
+    it (it scans once more if the total is still over the cap), so two passes never race to
+    delete the same spool.
     """
 
     def __init__(self, state_dir: Path, cap_bytes: int) -> None:
         self.state_dir = state_dir
         self.cap_bytes = cap_bytes
         self.bytes = sum(u.bytes for u in spool_usage(state_dir))
+        self._being_written = spools_being_written(state_dir)
+        self._pruning = False
+        # The `keep` of a request that arrived while a prune ran (the newest one wins: it
+        # knows every command the older ones knew that still runs).
+        self._requested: set[str] | None = None
+        self._added_while_pruning = 0
 
     def add(self, nbytes: int) -> bool:
         """Count a finished command's spool; True when the total is now past the cap."""
         self.bytes += nbytes
+        if self._pruning:
+            self._added_while_pruning += nbytes
         return self.bytes > self.cap_bytes
 
     async def prune(self, keep: set[str]) -> None:
-        """Delete the oldest spools not in `keep` until all fit under the cap (see
-        spool.prune_spools), in a worker thread; the count is then the disk's."""
+        """Delete the oldest finished spools not in `keep` (commands still running, held
+        processes' spools) until all fit under the cap (`prune_finished_spools`), in a
+        worker thread; the count is then the disk's. Returns at once when a prune is already
+        running: that one takes this request over."""
+        self._requested = set(keep)
+        if self._pruning:
+            return
+        self._pruning = True
         try:
             with trio.CancelScope(shield=True):  # a half-done prune would only be redone
-                removed, self.bytes = await trio.to_thread.run_sync(
-                    prune_spools, self.state_dir, self.cap_bytes, keep
-                )
+                while self._requested is not None:
+                    keep, self._requested = self._requested, None
+                    await self._prune_once(keep)
+                    if self.bytes <= self.cap_bytes:
+                        self._requested = None
+        finally:
+            self._pruning = False
+
+    async def _prune_once(self, keep: set[str]) -> None:
+        self._added_while_pruning = 0
+        kept = _Kept(keep, self._being_written)
+        try:
+            removed, left = await trio.to_thread.run_sync(prune_finished_spools, self.state_dir, self.cap_bytes, kept)
         except OSError:
             log.exception("spool.prune_failed")
             return
+        # Spools counted while the thread scanned may or may not be in what it saw: counted
+        # again, which errs towards the next prune coming early, never towards the cap.
+        self.bytes = left + self._added_while_pruning
         if removed:
             log.info("spool.pruned", calls=len(removed), bytes_left=self.bytes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, TOOL_ERROR_CODES
+from sandbox_supervisor.protocol.errors import INTERNAL, INVALID_PARAMETERS, RESOURCE_EXHAUSTED, TOOL_ERROR_CODES
 
 # Keys of the error object that details may not overwrite.
 _RESERVED_KEYS = frozenset({"code", "message"})
@@ -50,12 +50,31 @@ class ToolFailure(Exception):
         return f"{type(self).__name__}({self.code!r}, {self.message!r}, {self.details!r})"
 
 
+# Errors of a file tool's open, read or write that come from the machine's state at that
+# moment, not from the call: no descriptor left (EMFILE ours, ENFILE the system's), no
+# kernel memory, no space or quota left. The same call succeeds once the shortage passes.
+FILE_EXHAUSTION_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT})
+# The same for starting a command, plus EAGAIN: fork(2) gives it at the process limit
+# (RLIMIT_NPROC, a pids cgroup), which ends as the other processes do.
+SPAWN_EXHAUSTION_ERRNOS = FILE_EXHAUSTION_ERRNOS | {errno.EAGAIN}
+
+
+def resource_failure(message: str) -> ToolFailure:
+    """`resource_exhausted` for a shortage (docs/protocol.md §7.6). It frees the key: the
+    failure says nothing about the call, so a retry once the shortage has passed must run it
+    rather than replay the failure (calls.TRANSIENT_REFUSALS)."""
+    return ToolFailure(RESOURCE_EXHAUSTED, message, frees_key=True)
+
+
 def os_failure(exc: OSError, action: str) -> ToolFailure:
     """A typed answer for an OSError the file system gave a file tool (`action`: "read",
     "written"), instead of a crash logged with a traceback: a name longer than the file
-    system allows is the caller's `invalid_parameters`; anything else (permission denied, a
-    full disk, an I/O error) is `internal` with the system's own words."""
+    system allows is the caller's `invalid_parameters`; a shortage (a full disk, no
+    descriptor left) is `resource_exhausted`; anything else (permission denied, an I/O
+    error) is `internal` with the system's own words."""
     reason = exc.strerror or type(exc).__name__
     if exc.errno == errno.ENAMETOOLONG:
         return ToolFailure(INVALID_PARAMETERS, f"The path could not be {action}: {reason}.")
+    if exc.errno in FILE_EXHAUSTION_ERRNOS:
+        return resource_failure(f"The file could not be {action}: {reason}; retry later.")
     return ToolFailure(INTERNAL, f"The file could not be {action}: {reason}.")

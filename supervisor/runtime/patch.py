@@ -738,6 +738,51 @@ def _temp_name(name: str) -> str:
     return f"{TEMP_PREFIX}{stem}.{secrets.token_hex(TEMP_RANDOM_BYTES)}{TEMP_SUFFIX}"
 
 
+# What _temp_name makes, exactly: the stem, a dot, the random part in lowercase hex, the suffix.
+_TEMP_NAME = re.compile(
+    rf"{re.escape(TEMP_PREFIX)}(?P<stem>.*)\.[0-9a-f]{{{2 * TEMP_RANDOM_BYTES}}}{re.escape(TEMP_SUFFIX)}", re.DOTALL
+)
+
+
+def remove_leftover_temps(target: JailedPath, *, older_than: float) -> int:
+    """Remove the temp files a killed write of this target left beside it; returns how many.
+
+    Only what this module's `_temp_name` makes for this target's name (`.<name>.<16 hex>
+    .patch-tmp`), only regular files, and only those last changed before `older_than` (the
+    start of recovery: nothing of this daemon's is older), in the target's own directory,
+    through the jail's descriptor (never a path an agent could swap for a symlink). Agent
+    files never match: the agent would have to choose exactly this name."""
+    if target.state == "open" and target.name != ".":
+        directory, name = target.parent_fd, target.name
+    elif target.state == "missing" and len(target.tail) == 1:
+        directory, name = target.parent_fd, target.tail[0]
+    else:
+        return 0  # the target's directory does not exist: no temp file can be in it
+    stem = name[:TEMP_NAME_CHARS]
+    removed = 0
+    try:
+        # The walk's descriptors may be O_PATH (not listable): the same directory, reopened.
+        listable = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=directory)
+        try:
+            entries = os.listdir(listable)
+        finally:
+            os.close(listable)
+    except OSError:
+        return 0  # cleaning is a courtesy: it never fails the recovery of the call
+    for entry in entries:
+        matched = _TEMP_NAME.fullmatch(entry)
+        if matched is None or matched["stem"] != stem:
+            continue
+        try:
+            info = os.stat(entry, dir_fd=directory, follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and info.st_mtime < older_than:
+                os.unlink(entry, dir_fd=directory)
+                removed += 1
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove after all
+    return removed
+
+
 RecoveryOutcome = Literal["applied", "apply_now", "interrupted"]
 
 

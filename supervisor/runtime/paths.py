@@ -59,7 +59,7 @@ from typing import Literal
 
 from sandbox_supervisor.protocol.bootstrap import is_within
 from sandbox_supervisor.protocol.errors import INVALID_PARAMETERS, NOT_FOUND, PATH_OUTSIDE_WORKSPACE
-from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.failures import FILE_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
 
 __all__ = [
     "DIRECTORY_FLAGS",
@@ -122,7 +122,12 @@ class WorkspaceRoot:
         outside the workspace root, which bootstrap required of it."""
         try:
             fd = os.open(cwd, _ROOT_FLAGS)
-        except (OSError, ValueError):
+        except OSError as exc:
+            if exc.errno in FILE_EXHAUSTION_ERRNOS:
+                # No descriptor left: agent.cwd may well exist, and will open later.
+                raise _shortage(exc) from None
+            raise ToolFailure(NOT_FOUND, "agent.cwd does not exist or is not a directory.") from None
+        except ValueError:
             raise ToolFailure(NOT_FOUND, "agent.cwd does not exist or is not a directory.") from None
         try:
             real = _descriptor_path(fd) or os.path.realpath(cwd)
@@ -262,7 +267,15 @@ def resolve_directory(
         with open_in_jail(root, relative, allowed_paths, DIRECTORY_FLAGS) as jailed:
             return jailed.real_path
     except OSError as exc:
+        if exc.errno in FILE_EXHAUSTION_ERRNOS:
+            raise _shortage(exc) from None
         raise ToolFailure(INVALID_PARAMETERS, f"The path cannot be resolved: {exc.strerror}.") from None
+
+
+def _shortage(exc: OSError) -> ToolFailure:
+    """A walk cut short by the machine (no descriptor left, say), not by the path: the
+    caller's answer is `resource_exhausted`, never a verdict on the path."""
+    return resource_failure(f"The path could not be resolved: {exc.strerror}; retry later.")
 
 
 @contextmanager
@@ -443,6 +456,8 @@ def _open_component(
             _missing(jailed, name, pending)
             return None
         except OSError as exc:
+            if exc.errno in FILE_EXHAUSTION_ERRNOS:
+                raise _shortage(exc) from None
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 if last and exc.errno != errno.ENAMETOOLONG:
                     raise  # the final object exists but cannot be opened so: the tool words it

@@ -9,8 +9,10 @@ started no earlier than the shell did.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +53,27 @@ def parse_stat(text: str) -> ProcStat | None:
         return None
 
 
+# Errors that say this process or the machine is short of something (descriptors, kernel
+# memory) rather than anything about the process asked for: a scan that meets one has not
+# seen every process, so it must not be read as "no process".
+EXHAUSTION_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
 def read_stat(pid: int) -> ProcStat | None:
     try:
         return parse_stat((PROC / str(pid) / "stat").read_text())
     except OSError:
+        return None
+
+
+def _scan_stat(pid: int) -> ProcStat | None:
+    """read_stat for a scan of /proc: None when the process is gone (or unreadable), but a
+    shortage (EXHAUSTION_ERRNOS) is raised, so the scan fails rather than miss a member."""
+    try:
+        return parse_stat((PROC / str(pid) / "stat").read_text())
+    except OSError as exc:
+        if exc.errno in EXHAUSTION_ERRNOS:
+            raise
         return None
 
 
@@ -64,11 +83,17 @@ def start_ticks(pid: int) -> int | None:
 
 
 def group_members(pgid: int) -> list[ProcStat]:
-    """Live (non-zombie) processes whose process group is `pgid`."""
+    """Live (non-zombie) processes whose process group is `pgid` (OSError when /proc cannot
+    be listed). A member whose stat cannot be read is left out, as kill_leftover_group's
+    callers have always had it; group_alive scans with _scan_stat, which fails instead."""
+    return _members(pgid, read_stat)
+
+
+def _members(pgid: int, read: Callable[[int], ProcStat | None]) -> list[ProcStat]:
     members = []
     for entry in PROC.iterdir():
         if entry.name.isdigit():
-            stat = read_stat(int(entry.name))
+            stat = read(int(entry.name))
             if stat is not None and stat.pgrp == pgid and stat.state != "Z":
                 members.append(stat)
     return members
@@ -76,25 +101,36 @@ def group_members(pgid: int) -> list[ProcStat]:
 
 def live_groups() -> set[int]:
     """The process group ids that have a live (non-zombie) member: one scan of /proc, for
-    checking many groups at once."""
+    checking many groups at once. OSError when /proc cannot be read whole."""
     groups = set()
     for entry in PROC.iterdir():
         if entry.name.isdigit():
-            stat = read_stat(int(entry.name))
+            stat = _scan_stat(int(entry.name))
             if stat is not None and stat.state != "Z":
                 groups.add(stat.pgrp)
     return groups
 
 
 def group_alive(pgid: int) -> bool:
-    """True while any non-zombie process remains in the group."""
+    """True while any non-zombie process remains in the group.
+
+    Never raises: when /proc cannot be read (the daemon is out of descriptors, say) the
+    answer is True, the group exists after all (killpg found it). That is the safe side:
+    "alive" makes a caller wait, signal the group again (harmless: the number stays the
+    group's while any process, zombies included, uses it) or keep watching it until a later
+    check can read /proc, whereas a wrong "gone" would forget a group that still runs. An
+    exception here would end the task that asked, and with it the daemon."""
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         # PermissionError: the pgid now belongs to another user's processes, not ours.
         return False
-    # killpg(…, 0) also succeeds for zombies that nobody has reaped yet: look closer.
-    return bool(group_members(pgid))
+    # killpg(…, 0) also succeeds for zombies that nobody has reaped yet: look closer, with
+    # a scan that fails rather than miss a member it could not read.
+    try:
+        return bool(_members(pgid, _scan_stat))
+    except OSError:
+        return True
 
 
 def ours(stat: ProcStat, pgid: int, recorded_start: int) -> bool:

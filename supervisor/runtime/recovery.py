@@ -22,7 +22,7 @@ from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups
 from sandbox_supervisor.daemon.runtime.command_host_link import HOST_MODULE
 from sandbox_supervisor.daemon.runtime.holder_protocol import EXIT_FILE
-from sandbox_supervisor.daemon.runtime.spool import seal_stream, spool_dir, stream_path
+from sandbox_supervisor.daemon.runtime.spool import remove_leftover_temporaries, seal_stream, spool_dir, stream_path
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.tool import Event, Recovered, RecoveryEnv, interrupted, result_body
@@ -128,6 +128,21 @@ def kill_leftover_groups(
     return killed
 
 
+def remove_spool_leftovers(store: StateStore, state_dir: Path, started_at: float) -> int:
+    """Remove the empty temporary files a kill left in the spool (spool.temporary_beside's),
+    except in the directories of held processes not known ended: their holders may be alive
+    and writing one right now (docs/operations.md, "Faults and what the daemon does")."""
+    live = {record.call_id for record in store.held_processes() if record.exit_json is None}
+    try:
+        removed = remove_leftover_temporaries(state_dir, keep=live, older_than=started_at)
+    except OSError as exc:  # a courtesy, never a reason not to start
+        log.warning("recovery.leftovers_failed", error=str(exc))
+        return 0
+    if removed:
+        log.info("recovery.leftovers_removed", where="spool", files=removed)
+    return removed
+
+
 def _not_finished(record: CallRecord) -> Recovered:
     return Recovered(result_body(record.call_id, record.key, record.tool_name, error=interrupted(NOT_FINISHED_MESSAGE)))
 
@@ -173,14 +188,16 @@ def recover_pending_calls(
     no longer grows while it is summarised. `roots`: the daemon's opened agent.cwd, which
     recovered patches resolve from (a private one when None, closed at the end). `cgroups`:
     the daemon's, whose leftover command cgroups are killed and removed too."""
+    started_at = time.time()
     await_exit_records(store, state_dir)
     running = hosted_commands(store, state_dir)
     kill_leftover_groups(store, state_dir, cgroups, keep=running)
+    remove_spool_leftovers(store, state_dir, started_at)
     own_roots = roots is None
     if roots is None:
         roots = WorkspaceRoots()
     try:
-        env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner, roots=roots)
+        env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner, roots=roots, started_at=started_at)
         return _recover_all(store, env, running)
     finally:
         if own_roots:

@@ -46,7 +46,7 @@ from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
 from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
-from sandbox_supervisor.daemon.runtime.failures import ToolFailure
+from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
@@ -205,6 +205,11 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None]:
 
 
 def start_failure(exc: OSError) -> ToolFailure:
+    """The answer to a spawn the system refused. A shortage (no descriptor, no memory, the
+    process limit, a full spool disk) is `resource_exhausted`, which frees the key: it says
+    nothing about the call, so a retry once it passes must run the command, not replay this."""
+    if exc.errno in SPAWN_EXHAUSTION_ERRNOS:
+        return resource_failure(f"The command could not be started: {exc.strerror}; retry later.")
     return ToolFailure(errors.INTERNAL, f"The command could not be started: {exc.strerror}.")
 
 

@@ -55,8 +55,8 @@ __all__ = [
     "StreamState",
     "read_range",
     "read_state",
+    "remove_leftover_temporaries",
     "remove_spool",
-    "prune_spools",
     "seal_stream",
     "spool_usage",
     "spool_dir",
@@ -146,12 +146,18 @@ def _state_path(path: Path) -> Path:
     return path.with_name(path.name + STATE_SUFFIX)
 
 
+# temporary_beside's names: `.<target name>.<12 hex>.tmp`, and only those (recovery removes
+# what a killed writer left, remove_leftover_temporaries).
+_TEMPORARY_RANDOM_BYTES = 6
+_TEMPORARY_NAME = re.compile(rf"\..+\.[0-9a-f]{{{2 * _TEMPORARY_RANDOM_BYTES}}}\.tmp", re.DOTALL)
+
+
 def temporary_beside(target: Path) -> tuple[int, Path]:
     """A new file (0600, opened for writing) next to `target`, to be renamed over it: what
     tempfile.mkstemp makes, without importing tempfile and random, which would cost the
     per-process holder 0.8 MiB of private memory and a few milliseconds of every start."""
     while True:
-        candidate = target.with_name(f".{target.name}.{os.urandom(6).hex()}.tmp")
+        candidate = target.with_name(f".{target.name}.{os.urandom(_TEMPORARY_RANDOM_BYTES).hex()}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             return os.open(candidate, flags, _FILE_MODE), candidate
@@ -178,6 +184,39 @@ def replace_atomically(target: Path, text: str, *, durable: bool = False) -> Non
         raise
     if durable:
         fsync_directory(target.parent)
+
+
+def remove_leftover_temporaries(
+    state_dir: str | os.PathLike[str], *, keep: set[str], older_than: float
+) -> int:
+    """Remove the temporary files (`temporary_beside`'s) that a writer killed between their
+    creation and their rename left in the spool (the daemon's `.state` sidecars, a holder's
+    records); returns how many. Not in the directories of `keep` (calls whose holder may be
+    alive and writing), and only files last changed before `older_than` (this daemon's start:
+    nothing of its own is older). Nothing else in the spool matches the name."""
+    removed = 0
+    try:
+        calls = os.scandir(Path(state_dir) / SPOOL_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    with calls:
+        for call in calls:
+            if call.name in keep or not _CALL_ID.fullmatch(call.name) or not call.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with os.scandir(call.path) as entries:
+                    for entry in entries:
+                        if not _TEMPORARY_NAME.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+                            continue
+                        try:
+                            if entry.stat(follow_symlinks=False).st_mtime < older_than:
+                                os.unlink(entry.path)
+                                removed += 1
+                        except FileNotFoundError:
+                            continue  # renamed or removed by its writer meanwhile
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # pruned meanwhile
+    return removed
 
 
 def _write_state(path: Path, state: StreamState) -> None:
@@ -408,29 +447,21 @@ def spool_usage(state_dir: str | os.PathLike[str]) -> list[SpoolUsage]:
     for entry in entries:
         if not (entry.is_dir(follow_symlinks=False) and _CALL_ID.fullmatch(entry.name)):
             continue
-        size, mtime = 0, entry.stat(follow_symlinks=False).st_mtime
-        for item in os.scandir(entry.path):
-            info = item.stat(follow_symlinks=False)
+        # Files come and go while running commands write (a `.state` is replaced through a
+        # temporary file beside it), and a spool may be removed meanwhile: what vanished
+        # between the listing and its stat is simply not counted.
+        try:
+            size, mtime = 0, entry.stat(follow_symlinks=False).st_mtime
+            items = list(os.scandir(entry.path))
+        except FileNotFoundError:
+            continue
+        for item in items:
+            try:
+                info = item.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
             size += info.st_size
             mtime = max(mtime, info.st_mtime)
         usage.append(SpoolUsage(entry.name, size, mtime))
     usage.sort(key=lambda u: (u.mtime, u.call_id))
     return usage
-
-
-def prune_spools(state_dir: str | os.PathLike[str], cap_bytes: int, keep: set[str]) -> tuple[list[str], int]:
-    """Delete the oldest spools not in `keep` until all of them fit in `cap_bytes`.
-    Returns (call ids removed, bytes left). Spools in `keep` (commands still running or
-    still read by the daemon) are never removed, even if they alone exceed the cap."""
-    usage = spool_usage(state_dir)
-    total = sum(u.bytes for u in usage)
-    removed = []
-    for item in usage:
-        if total <= cap_bytes:
-            break
-        if item.call_id in keep:
-            continue
-        remove_spool(state_dir, item.call_id)
-        removed.append(item.call_id)
-        total -= item.bytes
-    return removed, total

@@ -10,6 +10,7 @@ imports the other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +137,9 @@ class RecoveryEnv:
     file_owner: tuple[int, int] | None = None
     # The daemon's opened agent.cwd (paths.WorkspaceRoots), shared with the live tools.
     roots: WorkspaceRoots = field(default_factory=WorkspaceRoots)
+    # When recovery began: a temp file older than this is a killed daemon's leftover, never
+    # one of this daemon's writes.
+    started_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from sandbox_supervisor.protocol.closes import (
 )
 from sandbox_supervisor.protocol.headers import RoutingHeaders
 from sandbox_supervisor.daemon.session.control import ControlChannel
+from sandbox_supervisor.daemon.session.sender import SocketSender
 
 
 @dataclass(eq=False)
@@ -37,6 +38,8 @@ class Connection:
     # Scopes the configuration adds to every assertion (`authority.legacy_session_control`).
     granted: frozenset[str] = frozenset()
     channel: ControlChannel = field(init=False)
+    # Once attached: the task that writes the journal to this socket (what a drain flushes).
+    sender: SocketSender | None = None
 
     def __post_init__(self) -> None:
         self.channel = ControlChannel(self.headers.session_id, self.headers.generation, self.scopes)
@@ -98,6 +101,14 @@ class SessionHub:
 
     async def wait_all_closed(self) -> None:
         await self._all_closed.wait()
+
+    async def flush_all(self, seq: int) -> None:
+        """Wait until every open socket's sender has sent the journal up to `seq` (or has
+        stopped). Unbounded: the caller gives it a budget."""
+        async with trio.open_nursery() as nursery:
+            for conn in list(self.open):
+                if conn.sender is not None:
+                    nursery.start_soon(conn.sender.flush, seq)
 
     def close_all(self, code: int, reason: str) -> None:
         for conn in list(self.open):

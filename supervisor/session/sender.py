@@ -43,7 +43,11 @@ class SocketSender:
         self.cursor = cursor  # the highest seq sent (or known to the client) so far
         self._reply_in, self._reply_out = trio.open_memory_channel[str](REPLY_QUEUE_SIZE)
         self._wake = trio.Event()
+        # Set (and replaced) each time the cursor moves, and once the sender stops: what
+        # `flush` waits on.
+        self._progress = trio.Event()
         self.failed = False
+        self.stopped = False
 
     def wake(self) -> None:
         self._wake.set()
@@ -68,6 +72,9 @@ class SocketSender:
                 for seq, frame in rows:
                     await self._ws.send_message(frame)
                     self.cursor = seq
+                if rows:
+                    self._progress.set()
+                    self._progress = trio.Event()
                 if rows and self._telemetry is not None and rows[0][0] <= self._replay_until:
                     self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
                 if not sent and not rows:
@@ -76,6 +83,21 @@ class SocketSender:
             self.failed = True
         finally:
             self._journal.unsubscribe(self.wake)
+            self.stopped = True
+            self._progress.set()
+
+    def sent_through(self, seq: int) -> bool:
+        """Every event up to `seq` has been sent on this socket, or acknowledged (the client
+        has it already, and the journal may have pruned it)."""
+        return max(self.cursor, self._journal.pruned_through) >= seq
+
+    async def flush(self, seq: int) -> None:
+        """Return once every event up to `seq` has been sent (or acknowledged), or the sender
+        has stopped (its socket failed or closed). The caller bounds the wait: a client that
+        does not read keeps this waiting."""
+        self.wake()
+        while not self.stopped and not self.sent_through(seq):
+            await self._progress.wait()
 
     async def _send_replies(self) -> bool:
         sent = False

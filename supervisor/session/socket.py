@@ -320,6 +320,7 @@ class ControlSocket:
             telemetry=services.telemetry,
             audience=self._socket_audience(),
         )
+        self.conn.sender = self.sender
         self._nursery.start_soon(self.sender.run)
 
     async def _reject(self, action: Reject) -> None:

@@ -21,6 +21,8 @@ from typing import Any, Callable, NamedTuple, TypeVar
 
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.frames import EXEC_STARTED, TOOL_RESULT, encode_event
+from sandbox_supervisor.daemon.state import integrity
+from sandbox_supervisor.daemon.state.integrity import HighWater, Marker, StateRefused
 from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, OWNER_SPACE, CallKey
 from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
 
@@ -51,6 +53,12 @@ META_LAST_SEQ = "last_seq"
 # The bytes of result_frame over all completed idempotency records, kept in the transaction
 # that changes them, so the size budget is checked without a SUM over the table per call.
 META_CALL_RESULT_BYTES = "call_result_bytes"
+# The instance id instance.json names (state/integrity.py): which database the directory's
+# evidence belongs to. Written once, when the state is first initialised.
+META_INSTANCE_ID = "instance_id"
+# sqlite's result codes (and their extended forms) for a file that is not, or no longer, a
+# sound database.
+_CORRUPTION_CODES = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 # Process groups started for shell commands, kept until the group is gone, so that a
 # restarted daemon can kill what a crashed one left behind (docs/protocol.md §10.2).
@@ -411,6 +419,10 @@ class StateStore:
         # uncontended when everything runs on the trio thread.
         self._lock = threading.RLock()  # re-entry is caught as nesting, not a deadlock
         self._closed = False
+        # The journal's high-water mark outside the database (state/integrity.py), raised
+        # after each commit that journals events; None for a store not opened by `open`.
+        self._high_water: HighWater | None = None
+        self._journaled_through: int | None = None  # set by an append, recorded at commit
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -418,7 +430,13 @@ class StateStore:
     def open(cls, state_dir: Path, retention: CallRetention = CallRetention()) -> StateStore:
         """Open (creating if needed) the state directory, the database file and its schema;
         completed idempotency records past `retention` are pruned at once (limits lowered
-        across a restart apply from the start)."""
+        across a restart apply from the start).
+
+        The state is checked first (state/integrity.py): StateRefused when it is missing
+        (instance.json or spooled output say there was a database, and there is none or an
+        empty one), damaged (sqlite's quick_check fails, or the file is not a database) or
+        inconsistent (the database is another instance's, or older than the journal's
+        high-water mark). A directory with none of that evidence is initialised."""
         state_dir = Path(state_dir)
         path = state_dir / DB_FILENAME
         try:
@@ -426,6 +444,13 @@ class StateStore:
                 state_dir.mkdir(parents=True, mode=STATE_DIR_MODE)
                 # mkdir's mode is filtered by the umask; the daemon's directory is 0700 exactly.
                 os.chmod(state_dir, STATE_DIR_MODE)
+        except OSError as exc:
+            raise StoreError(f"cannot create the state directory {state_dir}: {exc}") from exc
+        # Before sqlite creates or opens anything: a deleted database is never re-created.
+        marker = integrity.read_marker(state_dir)
+        integrity.check_before_open(state_dir, path, marker)
+        high_water = HighWater.read(state_dir)
+        try:
             # Create the file ourselves so it is 0600 from the first byte; sqlite gives the
             # -wal and -shm files the same permissions.
             os.close(os.open(path, os.O_RDWR | os.O_CREAT, DB_FILE_MODE))
@@ -439,19 +464,61 @@ class StateStore:
             raise StoreError(f"cannot open state database {path}: {exc}") from exc
         store = cls(conn, path, retention)
         try:
-            store._configure()
-            store._migrate()
+            try:
+                store._configure()
+                integrity.quick_check(conn, state_dir)
+                store._migrate()
+                last_seq = store._check_instance(state_dir, marker, high_water)
+            except StoreError as exc:
+                cause = exc.__cause__
+                if isinstance(cause, sqlite3.DatabaseError) and str(getattr(cause, "sqlite_errorname", "")).startswith(_CORRUPTION_CODES):
+                    raise StateRefused(integrity.DAMAGED, f"{path}: {cause}", state_dir) from None
+                raise
             store.prune_calls()
+            try:
+                store._high_water = HighWater.open(state_dir, last_seq)
+            except OSError:
+                # A full disk, say: the daemon still starts. The mark stays where it was (at
+                # or below what the database holds), which weakens the next start's check
+                # and never makes it refuse this sound database.
+                store._high_water = None
         except BaseException:
             conn.close()
             raise
         return store
+
+    def _check_instance(self, state_dir: Path, marker: Marker | None, high_water: int) -> int:
+        """Compare the database with instance.json and the high-water mark (StateRefused when
+        they disagree); give a new or adopted database its instance id, and write
+        instance.json when it is missing. Returns the journal's last seq."""
+        with self._transaction() as conn:
+            meta = _read_meta(conn, META_INSTANCE_ID, META_LAST_SEQ)
+            last_seq = int(meta.get(META_LAST_SEQ, 0))
+            has_state = last_seq > 0 or conn.execute("SELECT 1 FROM binding").fetchone() is not None
+            db_instance = meta.get(META_INSTANCE_ID)
+            integrity.check_instance(state_dir, marker, db_instance, last_seq, has_state, high_water)
+            if db_instance is None:
+                db_instance = integrity.new_instance_id()
+                _write_meta(conn, {META_INSTANCE_ID: db_instance})
+        if marker is None:
+            try:
+                # Into the database file itself first, so a later loss of the -wal cannot take
+                # the id with it (that loss is what the high-water mark reveals); then the
+                # marker, durably. A crash in between leaves an id without a marker, which the
+                # next start adopts (the database is the one that was here).
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                integrity.write_marker(state_dir, Marker(db_instance, time.time()))
+            except (OSError, sqlite3.Error) as exc:
+                raise StoreError(f"cannot record the state's instance id: {exc}") from exc
+        return last_seq
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._conn.close()
+                if self._high_water is not None:
+                    self._high_water.close()
 
     def __enter__(self) -> StateStore:
         return self
@@ -504,10 +571,12 @@ class StateStore:
                 conn.execute("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
             except sqlite3.Error as exc:
                 raise StoreError(f"cannot begin a transaction: {exc}") from exc
+            self._journaled_through = None
             try:
                 yield conn
                 conn.execute("COMMIT")
             except BaseException as exc:
+                self._journaled_through = None
                 try:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
@@ -515,6 +584,18 @@ class StateStore:
                 if isinstance(exc, sqlite3.Error):
                     raise StoreError(f"state database error: {exc}") from exc
                 raise
+            self._record_high_water()
+
+    def _record_high_water(self) -> None:
+        """After a commit that journaled events: raise the mark outside the database. A
+        failure to write it is not the commit's (it stands): the mark stays behind, which
+        weakens the start-up check and never makes it refuse a sound database."""
+        seq, self._journaled_through = self._journaled_through, None
+        if seq is not None and self._high_water is not None:
+            try:
+                self._high_water.record(seq)
+            except OSError:
+                pass
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -979,8 +1060,8 @@ class StateStore:
         total = max(0, (_call_result_bytes(conn) if stored is None else stored) - freed)
         _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
 
-    @staticmethod
     def _append_events_in(
+        self,
         conn: sqlite3.Connection,
         events: Sequence[tuple[str, dict[str, Any]]],
         now: float,
@@ -1013,6 +1094,7 @@ class StateStore:
             ],
         )
         _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
+        self._journaled_through = last_seq + len(rows)  # recorded outside once committed
         return rows
 
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import structlog
 import trio
 
 from sandbox_supervisor.protocol.tools import ApplyFilePatchParams, tool_spec
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure, os_failure
-from sandbox_supervisor.daemon.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch
+from sandbox_supervisor.daemon.runtime.patch import commit_patch, current_sha, plan_patch, recover_patch, remove_leftover_temps
 from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, open_in_jail
 from sandbox_supervisor.daemon.runtime.tool import (
     Recovered,
@@ -34,6 +35,8 @@ from sandbox_supervisor.daemon.runtime.tool import (
     result_body,
 )
 from sandbox_supervisor.daemon.state.store import CallRecord
+
+log = structlog.get_logger("supervisor.recovery")
 
 NAME = "apply_file_patch"
 FILE_CHANGED_MESSAGE = "The supervisor stopped while applying the patch, and the file has changed since."
@@ -114,6 +117,10 @@ def recover(record: CallRecord, env: RecoveryEnv) -> Recovered:
         root = env.roots.get(intent["cwd"])
         with open_in_jail(root, params.path, tuple(allowed) if allowed is not None else None, READ_FLAGS) as target:
             view_path = str(target.real_path)
+            # A kill between the temp file's creation and its rename left it beside the
+            # target (visible in the agent's `git status`): this call's, so ours to remove.
+            if removed := remove_leftover_temps(target, older_than=env.started_at):
+                log.info("recovery.leftovers_removed", where="workspace", files=removed, call_id=record.call_id)
             planned = intent.get("result")
             if planned is not None:
                 now = current_sha(target, max_file_bytes=env.max_file_bytes)
