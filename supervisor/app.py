@@ -38,7 +38,9 @@ from sandbox_supervisor.daemon.runtime import cgroups as cgroup_modes
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
-from sandbox_supervisor.daemon.runtime.recovery import recover_pending_calls
+from sandbox_supervisor.daemon.runtime.adoption import finish_adopted
+from sandbox_supervisor.daemon.runtime.recovery import Adopted, recover_pending_calls
+from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
 from sandbox_supervisor.daemon.runtime.service import Runtime
 from sandbox_supervisor.daemon.runtime.holder_starter import HolderStarter
 from sandbox_supervisor.daemon.runtime.process_host import ProcessHost
@@ -445,11 +447,15 @@ def open_store(config: SupervisorConfig) -> StateStore:
         raise StartupError(f"paths.state_dir: {exc}") from None
 
 
-def resolve_pending(store: StateStore, config: SupervisorConfig, who: CommandIdentity | None, roots: WorkspaceRoots, cgroups: cgroup_modes.Cgroups) -> None:
+def resolve_pending(
+    store: StateStore, config: SupervisorConfig, who: CommandIdentity | None, roots: WorkspaceRoots, cgroups: cgroup_modes.Cgroups
+) -> list[Adopted]:
     """Complete the calls a previous instance left pending, before anyone can connect, so a
-    reconnecting client finds exactly one result for each of them. StoreFull when their
-    results cannot be written (they stay pending: the next try resolves them)."""
-    recovered = recover_pending_calls(
+    reconnecting client finds exactly one result for each of them; the shell calls whose
+    commands still run under the previous instance's command host are returned instead, to be
+    completed with their real results once they end (runtime/adoption.py). StoreFull when
+    their results cannot be written (they stay pending: the next try resolves them)."""
+    recovery = recover_pending_calls(
         store,
         config.paths.state_dir,
         max_file_bytes=config.files.max_file_bytes,
@@ -457,8 +463,11 @@ def resolve_pending(store: StateStore, config: SupervisorConfig, who: CommandIde
         roots=roots,
         cgroups=cgroups,
     )
-    if recovered:
-        log.warning("calls.recovered", count=recovered)
+    if recovery.completed:
+        log.warning("calls.recovered", count=recovery.completed)
+    if recovery.adopted:
+        log.warning("calls.adopted", count=len(recovery.adopted))
+    return recovery.adopted
 
 
 async def wait_for_state(
@@ -467,7 +476,7 @@ async def wait_for_state(
     roots: WorkspaceRoots,
     cgroups: cgroup_modes.Cgroups,
     target: SignalTarget,
-) -> StateStore | None:
+) -> tuple[StateStore, list[Adopted]] | None:
     """Open the store and resolve pending calls, tried every STATE_RETRY_INTERVAL_S while
     the state directory is full; the store, or None when a stop came first. Each try runs
     the whole integrity check again (StateStore.open): StateRefused, once the state can be
@@ -480,16 +489,17 @@ async def wait_for_state(
             store = open_store(config)
         except StoreFull:
             continue
+        adopted: list[Adopted] = []
         try:
             if store.snapshot().terminated is None:
-                resolve_pending(store, config, who, roots, cgroups)
+                adopted = resolve_pending(store, config, who, roots, cgroups)
         except StoreFull:
             store.close()
             continue
         except BaseException:
             store.close()
             raise
-        return store
+        return store, adopted
 
 
 async def run_supervisor(
@@ -521,9 +531,10 @@ async def run_supervisor(
         if store is not None and store.snapshot().terminated is not None:
             return _terminated_at_start(notifier)
         cgroups = detect_isolation(config)
+        adopted: list[Adopted] = []
         if store is not None:
             try:
-                resolve_pending(store, config, who, roots, cgroups)
+                adopted = resolve_pending(store, config, who, roots, cgroups)
             except StoreFull as exc:
                 log.warning("supervisor.storage_full", error=str(exc), retry_s=STATE_RETRY_INTERVAL_S)
                 store.close()
@@ -569,7 +580,8 @@ async def run_supervisor(
                     # Ready in systemd's sense (listening, answering): not restarted for a
                     # start timeout while the disk stays full.
                     notifier.notify("READY=1", "STATUS=waiting for space in the state directory")
-                    store = await wait_for_state(config, who, roots, cgroups, target)
+                    waited = await wait_for_state(config, who, roots, cgroups, target)
+                    store, adopted = (None, []) if waited is None else waited
                     if store is None or store.snapshot().terminated is not None:
                         early_exit = target.stop if store is None else None
                         nursery.cancel_scope.cancel()
@@ -580,6 +592,9 @@ async def run_supervisor(
                 daemon.roots = roots
                 target.daemon = daemon
                 start_runtime(daemon, nursery)
+                adoption_env = RecoveryEnv(store, Path(config.paths.state_dir), roots=roots)
+                for pending in adopted:
+                    nursery.start_soon(finish_adopted, pending, adoption_env, daemon.journal, cgroups)
                 nursery.start_soon(retry_deferred_acks, daemon.journal)
                 nursery.start_soon(give_space_back, daemon.store)
                 if front is None:
@@ -666,6 +681,9 @@ async def drain(daemon: Daemon) -> None:
         # have exited; give them a moment beyond the completion grace.
         with trio.move_on_after(STOP_COMPLETION_BUDGET_S):
             await daemon.shell.wait_calls_completed()
+        # Every command's end is known: the command host exits (one still running, past
+        # the budget, is recorded by it for the next start).
+        await daemon.shell.host.aclose()
     # Closing a socket cancels its sender, wherever it is: a result journaled a moment ago
     # (or a backlog a slow client has not read yet) would never be sent, and a send cut off
     # mid-frame corrupts the stream before the close frame. So every sender first catches up

@@ -267,6 +267,7 @@ async def runtime(store: StateStore, tmp_path: Path, groups: cgroups.Cgroups | N
             with trio.fail_after(DEADLINE_S):
                 while shell.commands:
                     await trio.sleep(POLL_S)
+            await shell.host.aclose()
 
 
 def alive(pid: int) -> bool:
@@ -380,11 +381,21 @@ async def test_the_command_is_in_its_cgroup_before_its_first_instruction(store, 
 
 
 async def test_a_command_that_cannot_be_placed_never_runs(tmp_path):
+    from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost
+    from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
     from sandbox_supervisor.daemon.runtime.process_group import ProcessGroup
 
     nowhere = cgroups.CommandCgroup("x", str(tmp_path / "no-such-cgroup"), {})
-    with pytest.raises(OSError):
-        await ProcessGroup.spawn(["/bin/sh", "-c", "touch ran"], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, cgroup=nowhere)
+    spec = HolderSpec(
+        argv=("/bin/sh", "-c", "touch ran"), cwd=str(tmp_path), env={"PATH": "/usr/bin:/bin"}, stdin="null",
+        cgroup=nowhere.membership,
+    )
+    async with trio.open_nursery() as nursery:
+        host = CommandHost()
+        with pytest.raises(OSError) as raised:
+            await ProcessGroup.hosted(host, "x", tmp_path / "spool", spec, nowhere)
+        await host.aclose()
+    assert raised.value.stage == "cgroup"  # type: ignore[attr-defined]
     assert not (tmp_path / "ran").exists()
 
 

@@ -54,13 +54,14 @@ async def starter():
 async def test_a_holder_from_the_fork_server_runs_its_process_and_outlives_the_server(starter, tmp_path):
     info = await starter.launch(tmp_path / "a", sh("echo hi; sleep 30", stdin="null"))
     starter.started.append(info.pgid)
-    # Not the daemon's child, nor the server's: reparented as soon as it started.
+    # Not the daemon's child: the server's (one fork per holder), until the server ends.
     holder = read_stat(info.holder_pid)
-    assert holder is not None and holder.ppid not in (os.getpid(), starter._process.pid)
+    assert holder is not None and holder.ppid == starter._process.pid != os.getpid()
     assert read_stat(info.holder_pid).session != os.getsid(0)  # out of the daemon's session
     await wait_until(lambda: (tmp_path / "a" / "stdout").exists() and (tmp_path / "a" / "stdout").read_text() == "hi\n", "the output")
     await starter.aclose()  # the server ends (as when the daemon dies): the holder does not
     assert alive(info.holder_pid) and alive(info.pid)
+    assert read_stat(info.holder_pid).ppid != os.getpid()  # reparented, and still not ours
     os.killpg(info.pgid, signal.SIGTERM)
     await wait_until(lambda: (tmp_path / "a" / "exit.json").exists(), "the exit record")
     assert read_exit(tmp_path / "a").signal == "SIGTERM"
@@ -76,6 +77,18 @@ async def test_many_holders_come_from_one_warm_server(starter, tmp_path):
     for i in range(6):
         await wait_until(lambda i=i: (tmp_path / f"w{i}" / "exit.json").exists(), "each exit record")
         assert read_exit(tmp_path / f"w{i}").exit_code == 0
+    # The kernel reaps the server's ended holders (it ignores SIGCHLD): no zombie piles up.
+    await wait_until(lambda: not zombie_children(server), "the ended holders reaped")
+
+
+def zombie_children(parent: int) -> list[int]:
+    zombies = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = read_stat(int(entry))
+            if stat is not None and stat.ppid == parent and stat.state == "Z":
+                zombies.append(stat.pid)
+    return zombies
 
 
 async def test_a_forked_holder_has_only_the_standard_library_loaded(starter, tmp_path):

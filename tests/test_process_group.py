@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 import sys
 import time
@@ -13,6 +15,8 @@ import pytest
 import trio
 
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ, read_oom_score_adj
+from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost
+from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
 from sandbox_supervisor.daemon.runtime.processes import group_members, read_stat
 
@@ -24,17 +28,27 @@ POLL_S = 0.02
 IGNORES_SIGTERM = "trap '' TERM; sleep 30 & echo ready; wait"
 
 
+def spec(command: str, cwd: Path) -> HolderSpec:
+    return HolderSpec(
+        argv=("/bin/sh", "-c", command), cwd=str(cwd), env=ENV, stdin="null", oom_score_adj=COMMAND_OOM_SCORE_ADJ
+    )
+
+
 @asynccontextmanager
 async def spawned(command: str, cwd: Path) -> AsyncIterator[ProcessGroup]:
-    group = await ProcessGroup.spawn(["/bin/sh", "-c", command], cwd=cwd, env=ENV)
-    try:
-        yield group
-    finally:
-        group.send_signal(signal.SIGKILL)
-        with trio.move_on_after(DEADLINE_S):
-            await group.wait()
-        for pipe in group.pipes().values():
-            await pipe.aclose()
+    async with trio.open_nursery() as nursery:
+        host = CommandHost()
+        group = await ProcessGroup.hosted(host, "c1", cwd / "spool", spec(command, cwd))
+        try:
+            yield group
+        finally:
+            group.send_signal(signal.SIGKILL)
+            with trio.move_on_after(DEADLINE_S):
+                await group.wait()
+            for pipe in group.pipes().values():
+                await pipe.aclose()
+            host.done("c1")
+            await host.aclose()
 
 
 async def read_line(group: ProcessGroup) -> bytes:
@@ -52,20 +66,30 @@ async def wait_group_gone(pgid: int) -> None:
 
 
 async def test_spawn_leads_a_new_session_without_the_daemons_oom_protection(tmp_path):
-    async with spawned("echo started; sleep 30", tmp_path) as group:
-        assert await read_line(group) == b"started\n"
+    # What the command forks inherits the command's value, not the protected one.
+    async with spawned("sh -c 'cat /proc/self/oom_score_adj'; echo started; sleep 30", tmp_path) as group:
+        data = b""
+        with trio.fail_after(DEADLINE_S):
+            while not data.endswith(b"started\n"):
+                data += await group.pipes()["stdout"].receive_some(1024)
+        assert data == b"%d\nstarted\n" % COMMAND_OOM_SCORE_ADJ
         stat = read_stat(group.pid)
         assert stat is not None
         assert group.pgid == group.pid == stat.pgrp == stat.session
-        # The OOM wrapper exec'd the shell: the tracked pid is the command, with the value set.
+        # Set in the child before exec: the tracked pid is the command, with the value set.
         assert read_oom_score_adj(group.pid) == COMMAND_OOM_SCORE_ADJ
+        assert stat.ppid != os.getpid()  # the host's child, not ours
         assert group.start_ticks() == stat.start_ticks
         assert group.alive() and group.returncode is None
 
 
 async def test_spawn_refuses_an_unstartable_command_with_oserror(tmp_path):
-    with pytest.raises(OSError):
-        await ProcessGroup.spawn(["/bin/sh", "-c", "true"], cwd=tmp_path / "missing", env=ENV)
+    async with trio.open_nursery() as nursery:
+        host = CommandHost()
+        with pytest.raises(OSError) as raised:
+            await ProcessGroup.hosted(host, "c1", tmp_path / "spool", spec("true", tmp_path / "missing"))
+        assert raised.value.errno == errno.ENOENT and raised.value.stage == "cwd"  # type: ignore[attr-defined]
+        await host.aclose()
 
 
 async def test_wait_or_terminate_reports_an_exit_before_the_timeout(tmp_path):

@@ -10,7 +10,7 @@ import time
 
 import trio
 
-from sandbox_supervisor.daemon.runtime.processes import group_members, kill_leftover_group, start_ticks
+from sandbox_supervisor.daemon.runtime.processes import group_members, kill_leftover_group, read_stat, start_ticks
 from sandbox_supervisor.daemon.runtime.spool import stream_path
 from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
@@ -23,7 +23,10 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"{field} not found")
 
 
-async def test_kill_9_while_commands_run_reports_them_interrupted_once(tmp_path, authority):
+async def test_kill_9_of_the_daemon_and_its_command_host_reports_commands_interrupted_once(tmp_path, authority):
+    """With the command host gone too, nobody recorded how the commands ended: they are killed
+    at the next start and reported interrupted, once (tests/test_command_host.py has the
+    case where the host outlives the daemon: real results)."""
     layout = make_layout(tmp_path / "d", authority=authority)
     # Stopped and started again mid-body (the same process object): leaving stops the current run.
     async with running_daemon(layout) as process:
@@ -41,15 +44,19 @@ async def test_kill_9_while_commands_run_reports_them_interrupted_once(tmp_path,
                         idempotency_key=f"long-{i}",
                     )
                 )
+            hosts = set()
             for _ in range(3):
                 frame = await session.receive_until(lambda f: f["kind"] == "exec.started")
                 pgids.append(frame["body"]["pgid"])
+                hosts.add(read_stat(frame["body"]["pid"]).ppid)
             # Wait until each command's first line is in the spool (and sent live).
             with trio.fail_after(5):
                 while sum(1 for f in client.state.events.values() if f["kind"] == "exec.output") < 3:
                     await session.receive()
         process.send_signal(signal.SIGKILL)
         await process.wait()
+        assert len(hosts) == 1
+        os.kill(hosts.pop(), signal.SIGKILL)
         # The orphaned groups are still there until the next start cleans them up.
         assert all(group_members(pgid) for pgid in pgids)
 

@@ -91,6 +91,7 @@ async def runtime(store: StateStore, tmp_path: Path, kill_grace_s: float = 2.0) 
             with trio.fail_after(DEADLINE_S):
                 while shell.commands:
                     await trio.sleep(POLL_S)
+            await shell.host.aclose()
 
 
 async def wait_started(rig: Rig, count: int) -> None:

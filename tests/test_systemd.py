@@ -25,13 +25,7 @@ from sandbox_supervisor.daemon.ops import cli
 from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_TERMINATED
 from sandbox_supervisor.daemon.config import ConfigError, ExecConfig, WebSocketConfig, load_config, parse_host_port
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
-from sandbox_supervisor.daemon.runtime.oom import (
-    COMMAND_OOM_SCORE_ADJ,
-    OOM_SCORE_ADJ_MIN,
-    SUPERVISOR_OOM_SCORE_ADJ,
-    read_oom_score_adj,
-    with_oom_score_adj,
-)
+from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ, SUPERVISOR_OOM_SCORE_ADJ
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT_DIR = REPO / "systemd"
@@ -477,71 +471,3 @@ async def test_watchdog_pings_at_the_interval(tmp_path: Path, autojump_clock) ->
             except BlockingIOError:
                 break
         assert received == [b"WATCHDOG=1"] * 3
-
-
-# --- commands do not keep the daemon's OOM protection ------------------------------------
-
-
-def test_commands_raise_their_oom_score_before_exec_and_keep_their_pid() -> None:
-    script = "echo $$; cat /proc/self/oom_score_adj; sh -c 'cat /proc/self/oom_score_adj'"
-    own_before = read_oom_score_adj()
-    completed = subprocess.Popen(
-        with_oom_score_adj(["/bin/sh", "-c", script]),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    out, _ = completed.communicate(timeout=30)
-    shell_pid, own_score, grandchild_score = out.split()
-    assert int(shell_pid) == completed.pid  # exec'd: the process the daemon started is the command
-    assert int(own_score) == COMMAND_OOM_SCORE_ADJ
-    assert int(grandchild_score) == COMMAND_OOM_SCORE_ADJ  # inherited by what it forks
-    assert read_oom_score_adj() == own_before  # set in the child, never in the parent
-
-
-def test_the_oom_wrapper_passes_arguments_through_untouched(tmp_path: Path) -> None:
-    tricky = ["a b", "$HOME", "'quoted'", "", "--"]
-    completed = subprocess.run(
-        with_oom_score_adj([sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))", *tricky]),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert completed.returncode == 0, completed.stderr
-    assert completed.stdout.strip() == json.dumps(tricky)
-
-
-def test_the_oom_wrapper_refuses_values_the_kernel_would() -> None:
-    with pytest.raises(ValueError):
-        with_oom_score_adj(["true"], 1001)
-    with pytest.raises(ValueError):
-        with_oom_score_adj([], 100)
-
-
-def test_the_oom_wrapper_runs_the_command_when_the_kernel_refuses_the_value() -> None:
-    # Lowering below the inherited minimum needs CAP_SYS_RESOURCE: unprivileged, the write of
-    # -1000 is refused, and the refusal must neither print nor stop the command. With the
-    # capability (root outside a container) the write succeeds; either way the command runs.
-    completed = subprocess.run(
-        with_oom_score_adj(["/bin/sh", "-c", "cat /proc/self/oom_score_adj"], OOM_SCORE_ADJ_MIN),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert completed.returncode == 0
-    assert completed.stderr == ""
-    assert int(completed.stdout) in {OOM_SCORE_ADJ_MIN, read_oom_score_adj()}
-
-
-def test_the_oom_wrapper_is_silent_when_the_file_cannot_be_opened(tmp_path: Path) -> None:
-    # A read-only or missing /proc makes the open itself fail (not the write): the shell
-    # reports that on whatever stderr it has at that moment, so the redirection order matters.
-    from sandbox_supervisor.daemon.runtime.oom import WRAPPER_SHELL, _wrapper_script
-
-    unopenable = str(tmp_path / "missing-directory" / "oom_score_adj")
-    completed = subprocess.run(
-        [WRAPPER_SHELL, "-c", _wrapper_script(unopenable), "100", "/bin/sh", "-c", "echo ran"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert (completed.returncode, completed.stdout, completed.stderr) == (0, "ran\n", "")

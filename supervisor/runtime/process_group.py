@@ -5,9 +5,9 @@ reaches every descendant, background jobs included. With a cgroup (runtime/cgrou
 command is also in a cgroup of its own, which no descendant can leave (`setsid` leaves the
 group, not the cgroup): signals then go to every member of the cgroup, the final kill is the
 cgroup's (`cgroup.kill`, or freeze and kill in v1), and the group is alive while the cgroup is
-populated. `ProcessGroup` is that group's lifecycle:
-spawn (through the OOM wrapper), wait, time out (SIGTERM to the group, SIGKILL to whatever is
-left after the grace), abandon (SIGKILL and a bounded reap), signal. `LingeringGroups` watches
+populated. `ProcessGroup` is that group's lifecycle: spawn (through the command host,
+command_host.py, which is the command's parent), wait, time out (SIGTERM to the group, SIGKILL
+to whatever is left after the grace), abandon (SIGKILL and a bounded reap), signal. `LingeringGroups` watches
 the groups that outlive their call (background descendants) and hands each back once it is
 empty, with one /proc scan for all of them.
 
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,8 +29,8 @@ import trio
 from sandbox_supervisor.protocol.fields import Stream
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import CommandCgroup
-from sandbox_supervisor.daemon.runtime.identity import CommandIdentity
-from sandbox_supervisor.daemon.runtime.oom import GATE_GO, with_oom_score_adj
+from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostedProcess, HostLost
+from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 
 __all__ = [
     "ABANDON_REAP_TIMEOUT_S",
@@ -62,7 +61,7 @@ class LeaderExit(NamedTuple):
 class ProcessGroup:
     """A spawned process leading its own session and process group (pgid == its pid)."""
 
-    def __init__(self, process: trio.Process, cgroup: CommandCgroup | None = None) -> None:
+    def __init__(self, process: HostedProcess, cgroup: CommandCgroup | None = None) -> None:
         self.process = process
         # start_new_session: the process leads its own session and group.
         self.pgid = process.pid
@@ -71,75 +70,15 @@ class ProcessGroup:
         self.cgroup = cgroup
 
     @classmethod
-    async def spawn(
-        cls,
-        argv: Sequence[str],
-        *,
-        cwd: Path,
-        env: Mapping[str, str],
-        identity: CommandIdentity | None = None,
-        cgroup: CommandCgroup | None = None,
+    async def hosted(
+        cls, host: CommandHost, call_id: str, directory: Path, spec: HolderSpec, cgroup: CommandCgroup | None = None
     ) -> ProcessGroup:
-        """Start `argv` in a new session with stdin on /dev/null and stdout and stderr on two
-        pipes; OSError when it cannot be started.
-
-        With a `cgroup`, the wrapper waits on a gate (its stdin, a pipe) until the daemon has
-        written its pid into the cgroup, and only then execs `argv` (with /dev/null as stdin):
-        nothing of the command runs outside its cgroup, and no fork can slip out before the
-        move. When the move fails the gate closes unopened, the wrapper exits without running
-        `argv`, and OSError is raised.
-
-        Through the oom wrapper: the value is set in the process itself before `argv` execs,
-        so nothing it forks can keep the daemon's protection. The wrapper execs, so the pid
-        (and group leader) tracked here is `argv[0]`'s.
-
-        With an `identity`, the child drops to that uid, gid and exactly those supplementary
-        groups (setgroups, setgid, setuid, in the child after fork and setsid, before exec), so
-        the wrapper already runs as the user: raising one's own oom_score_adj needs no
-        privilege. CPython changes to `cwd` before it switches ids, so a `cwd` the user cannot
-        enter still starts (the command then cannot list it); the jail keeps `cwd` in the workspace.
-        """
-        gate_read, gate_write = os.pipe() if cgroup is not None else (None, None)
-        try:
-            process = await trio.lowlevel.open_process(
-                with_oom_score_adj(argv, gated=cgroup is not None),
-                stdin=subprocess.DEVNULL if gate_read is None else gate_read,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=str(cwd),
-                env=dict(env),
-                start_new_session=True,  # its own session and process group
-                # None for each: no switch, the daemon's own ids (Popen's defaults).
-                user=None if identity is None else identity.uid,
-                group=None if identity is None else identity.gid,
-                extra_groups=None if identity is None else list(identity.groups),
-            )
-        except BaseException:
-            if gate_write is not None:
-                os.close(gate_write)
-            raise
-        finally:
-            if gate_read is not None:
-                os.close(gate_read)
-        group = cls(process, cgroup)
-        if cgroup is not None and gate_write is not None:
-            try:
-                cgroup.add(process.pid)
-                os.write(gate_write, GATE_GO)
-            except BaseException:
-                # The gate closes unopened below: the wrapper exits without running argv.
-                os.close(gate_write)
-                gate_write = None
-                # Not by the cgroup: the process may not have made it in.
-                group.cgroup = None
-                await group.abandon()
-                for pipe in group.pipes().values():
-                    await pipe.aclose()
-                raise
-            finally:
-                if gate_write is not None:
-                    os.close(gate_write)
-        return group
+        """Start `spec` through the command host (command_host.py), which is the command's
+        parent, so that its exit status and output outlive the daemon. The host's child puts
+        itself in the cgroup (spec.cgroup, as root, before the switch of ids) and sets its
+        OOM score before it execs: nothing of the command runs outside its cgroup or with the
+        daemon's protection. SpawnFailed (command_host_link.py) when it did not start."""
+        return cls(await host.spawn(call_id, directory, spec), cgroup)
 
     @property
     def pid(self) -> int:
@@ -241,7 +180,10 @@ class ProcessGroup:
         self.kill()
         with trio.move_on_after(ABANDON_REAP_TIMEOUT_S) as scope:
             scope.shield = True
-            await self.process.wait()
+            try:
+                await self.process.wait()
+            except HostLost:
+                pass  # its parent, the command host, is gone: nothing is left to reap
 
 
 class LingeringGroups:

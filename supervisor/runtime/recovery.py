@@ -9,28 +9,96 @@ output it had spooled); a tool without one is reported interrupted.
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
 from sandbox_supervisor.protocol.fields import STREAMS
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups
-from sandbox_supervisor.daemon.runtime.spool import remove_leftover_temporaries, seal_stream, stream_path
+from sandbox_supervisor.daemon.runtime.command_host_link import HOST_MODULE
+from sandbox_supervisor.daemon.runtime.holder_protocol import EXIT_FILE
+from sandbox_supervisor.daemon.runtime.spool import remove_leftover_temporaries, seal_stream, spool_dir, stream_path
 from sandbox_supervisor.daemon.runtime.files import DEFAULT_MAX_FILE_BYTES
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
-from sandbox_supervisor.daemon.runtime.tool import Recovered, RecoveryEnv, interrupted, result_body
+from sandbox_supervisor.daemon.runtime.tool import Event, Recovered, RecoveryEnv, interrupted, result_body
 from sandbox_supervisor.daemon.runtime.registry import recoverers
-from sandbox_supervisor.daemon.state.visibility import call_result_view, commands_origin
+from sandbox_supervisor.daemon.state.keys import CallKey
+from sandbox_supervisor.daemon.state.visibility import EventView, call_result_view, commands_origin
 from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
 
 log = structlog.get_logger("supervisor.recovery")
 
 NOT_FINISHED_MESSAGE = "The supervisor stopped before the call finished."
+SHELL_TOOL = "execute_shell_command"
+# How long recovery waits, at most, for command hosts to record the ends of commands that
+# are gone (a host waits COMPLETION_GRACE_S for the pipes after an exit), and how often it looks.
+EXIT_RECORD_WAIT_S = 1.0
+EXIT_RECORD_POLL_S = 0.02
 
 
-def kill_leftover_groups(store: StateStore, state_dir: Path, cgroups: Cgroups | None = None) -> int:
+def hosted_commands(store: StateStore, state_dir: Path) -> dict[str, tuple[int, int, int]]:
+    """The recorded commands that still run under a command host (command_host.py) that
+    outlived the previous daemon and has not yet recorded their end: left running, and
+    reported once they end (ShellRuntime.adopt). By call_id: (pid, pgid, start_ticks)."""
+    pending = {record.call_id for record in store.pending_calls() if record.tool_name == SHELL_TOOL}
+    running = {}
+    for call_id, pid, pgid, start in store.recorded_processes():
+        if call_id not in pending or (spool_dir(state_dir, call_id) / EXIT_FILE).exists():
+            continue
+        if hosted_and_running(pid, start):
+            running[call_id] = (pid, pgid, start)
+    return running
+
+
+def hosted_and_running(pid: int, start_ticks: int) -> bool:
+    """The command's process still exists (running, or exited and not yet reaped) as a child
+    of a command host, which will record its end."""
+    leader = processes.read_stat(pid)
+    return leader is not None and leader.start_ticks == start_ticks and is_command_host(leader.ppid)
+
+
+def is_command_host(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            argv = handle.read().split(b"\0")
+    except OSError:
+        return False
+    return HOST_MODULE.encode() in argv
+
+
+def await_exit_records(store: StateStore, state_dir: Path, timeout_s: float = EXIT_RECORD_WAIT_S) -> None:
+    """Give a command host that is still recording the end of a command (its pipes were
+    open: it waits COMPLETION_GRACE_S after the exit) the moment it needs, so the call is
+    reported with its real result rather than interrupted. Only pending shell calls whose
+    process is gone and whose spool lacks exit.json are waited for, and only while some
+    command host runs at all."""
+    pending = {record.call_id for record in store.pending_calls() if record.tool_name == SHELL_TOOL}
+    waiting = [
+        call_id
+        for call_id, _pid, _pgid, _start in store.recorded_processes()
+        if call_id in pending and not (spool_dir(state_dir, call_id) / EXIT_FILE).exists()
+    ]
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline and any_command_host():
+        time.sleep(EXIT_RECORD_POLL_S)
+        waiting = [c for c in waiting if not (spool_dir(state_dir, c) / EXIT_FILE).exists()]
+
+
+def any_command_host() -> bool:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and is_command_host(int(entry)):
+            return True
+    return False
+
+
+def kill_leftover_groups(
+    store: StateStore, state_dir: Path, cgroups: Cgroups | None = None, keep: Collection[str] = ()
+) -> int:
     """Kill the groups recorded by a previous instance that still run the same processes,
     and every process of the command cgroups it left (which holds what left the groups with
     setsid, and what a crash between a cgroup's creation and its record started). Held
@@ -39,11 +107,13 @@ def kill_leftover_groups(store: StateStore, state_dir: Path, cgroups: Cgroups | 
     killed = 0
     if cgroups is not None and cgroups.enabled:
         held = {record.call_id for record in store.held_processes() if record.exit_json is None}
-        for leftover in cgroups.kill_leftovers(keep=held):
+        for leftover in cgroups.kill_leftovers(keep=held | set(keep)):
             if leftover.processes:
                 log.warning("process.leftover_cgroup_killed", call_id=leftover.name, processes=leftover.processes)
             killed += leftover.processes
     for call_id, pid, pgid, start in store.recorded_processes():
+        if call_id in keep:
+            continue
         count = processes.kill_leftover_group(pid, pgid, start)
         if count:
             log.warning("process.leftover_killed", call_id=call_id, pgid=pgid, processes=count)
@@ -77,6 +147,33 @@ def _not_finished(record: CallRecord) -> Recovered:
     return Recovered(result_body(record.call_id, record.key, record.tool_name, error=interrupted(NOT_FINISHED_MESSAGE)))
 
 
+class CompleteCall(Protocol):
+    def __call__(
+        self,
+        key: CallKey | None,
+        result_body: dict[str, Any],
+        *,
+        preceding: Sequence[Event] = (),
+        view: EventView | None = None,
+        origin: str | None = None,
+    ) -> Any: ...
+
+
+class Adopted(NamedTuple):
+    """A shell call whose command still runs under the previous daemon's command host: left
+    pending, and completed with its real result once the host records its end."""
+
+    record: CallRecord
+    pid: int
+    pgid: int
+    start_ticks: int
+
+
+class Recovery(NamedTuple):
+    completed: int
+    adopted: list[Adopted]
+
+
 def recover_pending_calls(
     store: StateStore,
     state_dir: Path,
@@ -85,51 +182,67 @@ def recover_pending_calls(
     file_owner: tuple[int, int] | None = None,
     roots: WorkspaceRoots | None = None,
     cgroups: Cgroups | None = None,
-) -> int:
-    """Complete every pending call; returns how many. Groups are killed first, so an
-    interrupted command's spool no longer grows while it is summarised. `roots`: the
-    daemon's opened agent.cwd, which recovered patches resolve from (a private one when
-    None, closed at the end). `cgroups`: the daemon's, whose leftover command cgroups are
-    killed and removed too."""
+) -> Recovery:
+    """Complete every pending call, except shell calls whose command a command host still
+    runs (returned as `adopted`). Groups are killed first, so an interrupted command's spool
+    no longer grows while it is summarised. `roots`: the daemon's opened agent.cwd, which
+    recovered patches resolve from (a private one when None, closed at the end). `cgroups`:
+    the daemon's, whose leftover command cgroups are killed and removed too."""
     started_at = time.time()
-    kill_leftover_groups(store, state_dir, cgroups)
+    await_exit_records(store, state_dir)
+    running = hosted_commands(store, state_dir)
+    kill_leftover_groups(store, state_dir, cgroups, keep=running)
     remove_spool_leftovers(store, state_dir, started_at)
     own_roots = roots is None
     if roots is None:
         roots = WorkspaceRoots()
     try:
         env = RecoveryEnv(store, state_dir, max_file_bytes=max_file_bytes, file_owner=file_owner, roots=roots, started_at=started_at)
-        return _recover_all(store, env)
+        return _recover_all(store, env, running)
     finally:
         if own_roots:
             roots.close()
 
 
-def _recover_all(store: StateStore, env: RecoveryEnv) -> int:
-    by_tool = recoverers()
+def _recover_all(store: StateStore, env: RecoveryEnv, running: dict[str, tuple[int, int, int]]) -> Recovery:
     completed = 0
+    adopted = []
     for record in store.pending_calls():
-        recover = by_tool.get(record.tool_name)
-        recovered = _not_finished(record)
-        if recover is not None:
-            try:
-                recovered = recover(record, env)
-            except (OSError, ValueError, KeyError, TypeError, StoreError):
-                # One unreadable record or file (a spool gone, an intent that no longer
-                # parses) must not keep the daemon down: the call is reported interrupted.
-                log.exception("recovery.failed", call_id=record.call_id, tool=record.tool_name)
-        # Who may see it (docs/protocol.md §9.1): the path the recovery resolved, and the
-        # allowed_commands the call was accepted under (none recorded: seen as unlimited).
-        origin = commands_origin(_recorded_commands(record))
-        store.complete_call(
-            record.call_key,
-            recovered.body,
-            preceding=recovered.preceding,
-            view=call_result_view(recovered.body, recovered.view_path, origin),
-            origin=origin,
-        )
+        if record.tool_name == SHELL_TOOL and record.call_id in running:
+            adopted.append(Adopted(record, *running[record.call_id]))
+            continue
+        complete_recovered(store.complete_call, record, recover_one(record, env))
         completed += 1
-    return completed
+    return Recovery(completed, adopted)
+
+
+def recover_one(record: CallRecord, env: RecoveryEnv) -> Recovered:
+    """The completion of one pending call, by its tool's own recovery (interrupted when it
+    has none, or when it fails)."""
+    recover = recoverers().get(record.tool_name)
+    if recover is not None:
+        try:
+            return recover(record, env)
+        except (OSError, ValueError, KeyError, TypeError, StoreError):
+            # One unreadable record or file (a spool gone, an intent that no longer
+            # parses) must not keep the daemon down: the call is reported interrupted.
+            log.exception("recovery.failed", call_id=record.call_id, tool=record.tool_name)
+    return _not_finished(record)
+
+
+def complete_recovered(complete: CompleteCall, record: CallRecord, recovered: Recovered) -> None:
+    """Complete a recovered call through `complete` (the store's complete_call at the start,
+    the live journal's for an adopted command). Who may see it (docs/protocol.md §9.1) is the
+    path the recovery resolved, and the allowed_commands the call was accepted under (none
+    recorded: seen as unlimited)."""
+    origin = commands_origin(_recorded_commands(record))
+    complete(
+        record.call_key,
+        recovered.body,
+        preceding=recovered.preceding,
+        view=call_result_view(recovered.body, recovered.view_path, origin),
+        origin=origin,
+    )
 
 
 def _recorded_commands(record: CallRecord) -> list[str] | None:

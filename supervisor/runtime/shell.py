@@ -43,6 +43,9 @@ from sandbox_supervisor.daemon.runtime.command_output import (
     SpoolBudget,
 )
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
+from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost
+from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
+from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
@@ -62,6 +65,7 @@ log = structlog.get_logger("supervisor.shell")
 # completion waits this long for them to close before it is reported (§7.4.3).
 COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
+HOST_LOST_MESSAGE = "The supervisor's command host ended while the command ran; its exit status is unknown."
 # TERM of a command that has a terminal (a PTY) when neither its request nor its environment
 # names one: what xterm.js, the terminal of E2B's and most web front ends, emulates.
 DEFAULT_TERM = "xterm-256color"
@@ -259,6 +263,8 @@ class ShellRuntime:
         self._lingering = LingeringGroups(nursery)
         # How many held processes (process_host.py) run: they share max_processes; and their
         # spools, which a prune must keep (their holders still write them).
+        # The commands' parent (command_host.py), started with the first command.
+        self.host = CommandHost()
         self.held_running: Callable[[], int] = lambda: 0
         self.held_spools: Callable[[], set[str]] = set
 
@@ -289,9 +295,33 @@ class ShellRuntime:
             self._record_start(command, call, params, cwd, ctx)
             if self.stopping:  # stop_all ran while this command was being spawned
                 await self.terminate_group(command)
-            returncode, timed_out = await command.group.wait_or_terminate(
-                params.timeout_ms / 1000, self.settings.kill_grace_s
-            )
+            try:
+                returncode, timed_out = await command.group.wait_or_terminate(
+                    params.timeout_ms / 1000, self.settings.kill_grace_s
+                )
+            except HostLost:
+                # The command host died: the exit status went with it. What is left of the
+                # group is ended, and the call reported interrupted with what was spooled.
+                await self._abandon(command)
+                with trio.move_on_after(COMPLETION_GRACE_S):
+                    await command.output.closed.wait()
+                running.final_events.extend(command.output.final_events(trio.current_time() * 1000))
+                summaries: dict[str, Any] = {name: command.output.summary_body(name) for name in STREAMS}
+                running.final_events.append(
+                    (
+                        EXEC_COMPLETED,
+                        {
+                            "call_id": call.call_id,
+                            "exit_code": None,
+                            "signal": None,
+                            "timed_out": False,
+                            "duration_ms": int((trio.current_time() - command.started) * 1000),
+                            **summaries,
+                            "interrupted": True,
+                        },
+                    )
+                )
+                raise ToolFailure(errors.INTERRUPTED, HOST_LOST_MESSAGE, summaries) from None
             self._mark_exited(command)
             oom_killed = command.group.oom_killed()
         except BaseException:
@@ -393,18 +423,18 @@ class ShellRuntime:
             if cgroups is not None and cgroups.enabled:
                 # Blocking, but a few mkdir/writes on a kernel file system.
                 cgroup = cgroups.create(call_id)
-            group = await ProcessGroup.spawn(
-                shell_argv(choose_shell(self.settings.shell), params.command, login=login),
-                cwd=cwd,
-                env=env,
-                identity=self.settings.identity,
-                cgroup=cgroup,
+            group = await ProcessGroup.hosted(
+                self.host,
+                call_id,
+                spool_dir(self.settings.state_dir, call_id),
+                self._spec(params, cwd, env, login, cgroup),
+                cgroup,
             )
         except BaseException as exc:
             output.close()
             if cgroup is not None:
                 cgroup.remove()
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError):  # SpawnFailed included: the host said why
                 raise start_failure(exc) from None
             raise
         command = Command(call_id, group, output, started=trio.current_time())
@@ -414,6 +444,29 @@ class ShellRuntime:
         if self.telemetry is not None:
             self.telemetry.process_started()
         return command
+
+    def _spec(
+        self, params: ExecuteShellCommandParams, cwd: Path, env: dict[str, str], login: bool, cgroup: CommandCgroup | None
+    ) -> HolderSpec:
+        """What the command host runs: the timeout, grace and spool cap are the ones the
+        host applies itself if the daemon dies while the command runs."""
+        identity = self.settings.identity
+        membership = None if cgroup is None else cgroup.membership
+        return HolderSpec(
+            argv=tuple(shell_argv(choose_shell(self.settings.shell), params.command, login=login)),
+            cwd=str(cwd),
+            env=env,
+            uid=None if identity is None else identity.uid,
+            gid=None if identity is None else identity.gid,
+            groups=None if identity is None else tuple(identity.groups),
+            timeout_s=params.timeout_ms / 1000,
+            kill_grace_s=self.settings.kill_grace_s,
+            spool_max_bytes=self.settings.spool_max_bytes,
+            oom_score_adj=COMMAND_OOM_SCORE_ADJ,
+            cgroup=membership,
+            cgroup_also=() if cgroup is None else tuple(d for d in cgroup.directories() if d != membership),
+            stdin="null",
+        )
 
     def _record_start(
         self, command: Command, call: ToolCall, params: ExecuteShellCommandParams, cwd: Path, ctx: CallContext
@@ -454,6 +507,9 @@ class ShellRuntime:
                 self.telemetry.process_exited()
 
     def _complete(self, command: Command) -> None:
+        # The result is journaled right after this (or the call was abandoned): the host
+        # need not record the command's end for a next daemon.
+        self.host.done(command.call_id)
         command.output.complete()
         command.completed.set()
         self._forget_if_done(command)

@@ -259,6 +259,34 @@ class SpoolWriter:
         self._truncated = False
         self.write_error: str | None = None  # strerror of the write the disk refused
 
+    @classmethod
+    def resume(cls, path: str | os.PathLike[str], cap_bytes: int) -> SpoolWriter:
+        """A writer that goes on where another one's writes ended (it died, or handed the
+        stream over): what the file holds is kept, and `total` and `truncated` continue from
+        the recorded state. As in `seal_stream`, bytes the other writer dropped past the cap
+        after its last recorded state are not counted (it records the state when it first
+        drops, and at its close)."""
+        path = Path(path)
+        previous = read_state(path)
+        writer = cls.__new__(cls)
+        writer.path = path
+        writer._cap = cap_bytes
+        writer._fd = None
+        writer._closed = False
+        writer.write_error = None
+        writer._size = 0
+        try:
+            # The file exists once its first byte was written; else the first write creates it.
+            writer._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            writer._size = os.fstat(writer._fd).st_size
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            writer.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
+        writer._total = max(writer._size, previous.total if previous else 0)
+        writer._truncated = previous.truncated if previous else False
+        return writer
+
     @property
     def size(self) -> int:
         """Bytes kept in the file."""

@@ -1,0 +1,361 @@
+"""The command host: the parent of every `execute_shell_command` command, so that a command's
+exit status and output outlive the daemon (docs/internals.md, "The command host").
+
+    python -I -m sandbox_supervisor.daemon.runtime.command_host
+
+stdin is one end of a SOCK_SEQPACKET socket pair whose other end the daemon keeps: one
+JSON message per datagram (`command_host_link.py` is the daemon's side). The daemon asks it
+to spawn a command (`spawn`: the call's spool directory and a holder spec, `holder_protocol`);
+the host forks and execs it exactly as a holder does (`holder.spawn`: its own session, the
+command user's ids, its cgroup and OOM score set in the child before exec, stdin on
+/dev/null) and answers `spawned` with the pid and, as SCM_RIGHTS, the read ends of the
+command's stdout and stderr pipes. It keeps a duplicate of each read end and reaps the
+command: `exited` carries the wait status. The daemon reads the pipes, spools, streams and
+times out as before; once the call completed it says `done`, and the host forgets the command.
+
+While the daemon lives the host reads nothing: it only holds the pipes open and reaps. When the
+daemon's end of the socket closes (the daemon died, or stopped), the host takes over every
+command the daemon had not said `done` for: it reads the pipes into the spool itself, resuming
+each stream's file where the daemon's writes ended (`SpoolWriter.resume`), enforces the
+command's timeout (SIGTERM to its group, SIGKILL after the grace), and once the command
+exited and its streams ended, or COMPLETION_GRACE_S after the exit, writes `exit.json` (the
+holder's exit record) into the spool directory. Then it exits. The next daemon reports each
+such call with its real result instead of `interrupted` (`tools/execute_shell_command.py`).
+
+One host serves every command of a daemon: a spawn costs a message each way and a fork of this
+small process (no interpreter start, no fork of the daemon's larger one), and the OOM score
+and cgroup move need no wrapper exec. Standard library only, like the holder whose spawning
+it shares: a test checks its modules.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from sandbox_supervisor.daemon.runtime import holder
+from sandbox_supervisor.daemon.runtime.holder_protocol import (
+    EXIT_FILE,
+    ExitRecord,
+    HolderSpec,
+    SpecError,
+    parse_spec,
+    write_json_atomic,
+)
+from sandbox_supervisor.daemon.runtime.spool import SpoolWriter
+from sandbox_supervisor.protocol.plain import Stream
+
+__all__ = [
+    "COMPLETION_GRACE_S",
+    "MAX_MESSAGE_BYTES",
+    "main",
+]
+
+# One datagram each way; a spec carries the command and its environment. The daemon refuses
+# larger ones before sending (command_host_link.py); both ends size their buffers to it.
+MAX_MESSAGE_BYTES = 1024 * 1024
+# After a command exited, background descendants may hold its pipes: the exit record waits this
+# long for its streams to end, as a completion does (docs/protocol.md §7.4.3).
+COMPLETION_GRACE_S = 0.2
+READ_CHUNK_BYTES = 256 * 1024
+# Without pidfds (kernels before 5.3) exits are noticed by polling waitpid this often.
+REAP_POLL_S = holder.REAP_POLL_S
+# The standard descriptor the daemon's socket arrives on.
+DAEMON_FD = 0
+
+
+class Hosted:
+    """One command: its pid, the host's duplicates of its pipes, and how it ended."""
+
+    def __init__(self, call_id: str, directory: Path, spec: HolderSpec, pid: int, outputs: dict[Stream, int]) -> None:
+        self.call_id = call_id
+        self.directory = directory
+        self.spec = spec
+        self.pid = pid
+        self.outputs = outputs  # the host's read ends, by stream
+        self.started = time.monotonic()
+        self.pidfd: int | None = None
+        self.status: int | None = None  # the wait status, once reaped
+        self.exited_at: float | None = None
+        self.writers: dict[Stream, SpoolWriter] = {}
+        self.timeout_at = None if spec.timeout_s is None else self.started + spec.timeout_s
+        self.kill_at: float | None = None
+        self.timed_out = False
+        self.recorded = False
+
+
+class Host:
+    def __init__(self, daemon: socket.socket) -> None:
+        self.daemon: socket.socket | None = daemon
+        self.selector = selectors.DefaultSelector()
+        self.commands: dict[str, Hosted] = {}
+        daemon.setblocking(True)
+        for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                daemon.setsockopt(socket.SOL_SOCKET, option, MAX_MESSAGE_BYTES)
+            except OSError:
+                pass
+        self.selector.register(daemon, selectors.EVENT_READ, self._on_daemon)
+
+    # -- the loop --
+
+    def run(self) -> None:
+        while self.daemon is not None or self.commands:
+            for key, mask in self.selector.select(self._select_timeout()):
+                key.data(mask)
+            for command in list(self.commands.values()):
+                if command.pidfd is None and command.status is None:
+                    self._reap(command)
+            if self.daemon is None:
+                self._timers()
+
+    def _select_timeout(self) -> float | None:
+        polled = any(c.pidfd is None and c.status is None for c in self.commands.values())
+        if self.daemon is not None:
+            return REAP_POLL_S if polled else None
+        now = time.monotonic()
+        due = [t for c in self.commands.values() for t in (c.timeout_at, c.kill_at) if t is not None]
+        due += [c.exited_at + COMPLETION_GRACE_S for c in self.commands.values() if c.exited_at is not None]
+        if polled:
+            due.append(now + REAP_POLL_S)
+        return max(0.0, min(due) - now) if due else None
+
+    # -- the daemon's messages --
+
+    def _on_daemon(self, _mask: int) -> None:
+        assert self.daemon is not None
+        try:
+            data = self.daemon.recv(MAX_MESSAGE_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            self._take_over()
+            return
+        try:
+            message = json.loads(data)
+            op = message["op"]
+            call_id = str(message["id"])
+        except (ValueError, KeyError, TypeError):
+            return  # the daemon never sends these; nothing to answer
+        if op == "spawn":
+            self._spawn(call_id, message)
+        elif op == "done":
+            self._forget(call_id)
+
+    def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+        if self.daemon is None:
+            return
+        data = json.dumps(message).encode()
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        try:
+            self.daemon.sendmsg([data], ancillary)
+        except OSError:
+            pass  # the daemon is gone: its end's EOF comes next and starts the takeover
+
+    def _spawn(self, call_id: str, message: dict[str, Any]) -> None:
+        try:
+            directory = Path(str(message["dir"]))
+            # execute_shell_command: stdin on /dev/null, no terminal.
+            spec = parse_spec(message["spec"])._replace(pty=None, stdin="null")
+        except (KeyError, SpecError) as exc:
+            self._send({"op": "failed", "id": call_id, "stage": "spec", "errno": 0, "message": str(exc)})
+            return
+        if call_id in self.commands:
+            self._send({"op": "failed", "id": call_id, "stage": "spec", "errno": 0, "message": "call_id in use"})
+            return
+        try:
+            stdio = holder.open_stdio(spec)
+        except OSError as exc:
+            self._send({"op": "failed", "id": call_id, "stage": "stdio", "errno": exc.errno or 0, "message": str(exc)})
+            return
+        try:
+            pid = holder.spawn(spec, stdio)
+        except (holder.SpawnError, OSError) as exc:
+            # OSError: the fork itself (EAGAIN, ENOMEM); spawn closed the child's ends.
+            for fd in stdio.outputs.values():
+                os.close(fd)
+            stage, code = (exc.stage, exc.errno) if isinstance(exc, holder.SpawnError) else ("fork", exc.errno or 0)
+            self._send({"op": "failed", "id": call_id, "stage": stage, "errno": code, "message": str(exc)})
+            return
+        command = Hosted(call_id, directory, spec, pid, dict(stdio.outputs))
+        self.commands[call_id] = command
+        try:
+            command.pidfd = os.pidfd_open(pid)
+            self.selector.register(command.pidfd, selectors.EVENT_READ, lambda _m, c=command: self._reap(c))
+        except OSError:
+            command.pidfd = None  # a kernel before 5.3: polled (REAP_POLL_S)
+        try:
+            ticks = holder._start_ticks(pid)
+        except (OSError, ValueError, IndexError):
+            ticks = 0
+        self._send(
+            {"op": "spawned", "id": call_id, "pid": pid, "start_ticks": ticks},
+            [command.outputs["stdout"], command.outputs["stderr"]],
+        )
+
+    def _forget(self, call_id: str) -> None:
+        command = self.commands.get(call_id)
+        if command is None:
+            return
+        for fd in command.outputs.values():
+            os.close(fd)
+        command.outputs.clear()
+        if command.status is not None:
+            self._drop(command)
+        # Else it still runs (a call the daemon abandoned): reaped when it exits, then dropped.
+
+    def _drop(self, command: Hosted) -> None:
+        self.commands.pop(command.call_id, None)
+        if command.pidfd is not None:
+            self.selector.unregister(command.pidfd)
+            os.close(command.pidfd)
+            command.pidfd = None
+        for name, fd in list(command.outputs.items()):
+            if self.daemon is None:
+                self.selector.unregister(fd)
+            os.close(fd)
+            del command.outputs[name]
+
+    # -- exits --
+
+    def _reap(self, command: Hosted) -> None:
+        try:
+            pid, status = os.waitpid(command.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = command.pid, 255 << 8
+        if pid == 0:
+            return
+        command.status = status
+        command.exited_at = time.monotonic()
+        if command.pidfd is not None:
+            self.selector.unregister(command.pidfd)
+            os.close(command.pidfd)
+            command.pidfd = None
+        if self.daemon is not None:
+            self._send({"op": "exited", "id": command.call_id, "status": status})
+            if not command.outputs:  # the daemon said done before the exit
+                self._drop(command)
+        else:
+            self._record_if_done(command)
+
+    # -- the takeover, once the daemon is gone --
+
+    def _take_over(self) -> None:
+        assert self.daemon is not None
+        self.selector.unregister(self.daemon)
+        self.daemon.close()
+        self.daemon = None
+        for command in list(self.commands.values()):
+            if not command.outputs and command.status is not None:
+                self._drop(command)
+                continue
+            if not command.outputs:
+                continue  # done, still running: reaped and dropped when it exits
+            for name, fd in command.outputs.items():
+                command.writers[name] = SpoolWriter.resume(command.directory / name, command.spec.spool_max_bytes)
+                os.set_blocking(fd, False)
+                self.selector.register(fd, selectors.EVENT_READ, lambda _m, c=command, n=name: self._on_output(c, n))
+            if command.status is not None:
+                self._record_if_done(command)
+
+    def _on_output(self, command: Hosted, name: Stream) -> None:
+        fd = command.outputs[name]
+        try:
+            data = os.read(fd, READ_CHUNK_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            command.writers[name].write(data)
+            return
+        self.selector.unregister(fd)
+        os.close(fd)
+        del command.outputs[name]
+        command.writers[name].close()
+        self._record_if_done(command)
+
+    def _timers(self) -> None:
+        now = time.monotonic()
+        for command in list(self.commands.values()):
+            if command.status is None and command.timeout_at is not None and now >= command.timeout_at:
+                command.timeout_at = None
+                command.timed_out = True
+                self._signal(command, signal.SIGTERM)
+                command.kill_at = now + command.spec.kill_grace_s
+            if command.kill_at is not None and now >= command.kill_at:
+                command.kill_at = None
+                self._signal(command, signal.SIGKILL)
+            if command.exited_at is not None and now >= command.exited_at + COMPLETION_GRACE_S:
+                self._record(command)
+
+    def _signal(self, command: Hosted, signum: int) -> None:
+        try:
+            os.killpg(command.pid, signum)
+        except OSError:
+            pass
+        if command.spec.cgroup is not None and signum == signal.SIGKILL:
+            try:
+                with open(os.path.join(command.spec.cgroup, "cgroup.kill"), "w") as handle:
+                    handle.write("1")
+            except OSError:
+                pass  # cgroup v1, or gone: the group's SIGKILL above is what there is
+
+    def _record_if_done(self, command: Hosted) -> None:
+        if command.status is not None and not command.outputs:
+            self._record(command)
+
+    def _record(self, command: Hosted) -> None:
+        """exit.json for a command the daemon left: how it ended, as its result says it."""
+        if command.recorded or command.status is None:
+            return
+        command.recorded = True
+        for writer in command.writers.values():
+            writer.close()
+        code = os.waitstatus_to_exitcode(command.status)
+        exit_code, signame = (None, holder._signal_name(-code)) if code < 0 else (code, None)
+        assert command.exited_at is not None
+        duration = command.exited_at - command.started
+        # The daemon times a command out while it lives (the host only after): a signal death
+        # at or past the timeout is the daemon's timeout, had it lived to report it.
+        timeout = command.spec.timeout_s
+        timed_out = command.timed_out or (signame is not None and timeout is not None and duration >= timeout)
+        record = ExitRecord(
+            exit_code=exit_code,
+            signal=signame,
+            timed_out=timed_out,
+            oom_killed=None,
+            duration_ms=int(duration * 1000),
+            ended_at=holder._now_iso(),
+        )
+        try:
+            write_json_atomic(command.directory / EXIT_FILE, record.to_json(), durable=True)
+        except OSError:
+            pass  # the next daemon reports it interrupted, as without a host
+        self._drop(command)
+
+
+def main() -> int:
+    # Out of the daemon's way: a signal to its group or a Ctrl-C in its terminal misses the
+    # host, and the standard descriptors other than the socket go to /dev/null.
+    daemon = socket.socket(fileno=os.dup(DAEMON_FD))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    if devnull > 2:
+        os.close(devnull)
+    os.chdir("/")
+    Host(daemon).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
