@@ -56,13 +56,11 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     encode_watch,
 )
 from sandbox_supervisor.daemon.runtime.cgroups import CommandCgroup
-from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.processes import kill_leftover_group
 from sandbox_supervisor.daemon.runtime.shell import (
     ShellRuntime,
     build_environment,
-    choose_shell,
-    shell_argv,
+    command_spec,
     start_failure,
     uses_login_shell,
 )
@@ -150,25 +148,18 @@ class ProcessHost:
             terminal=pty is not None,
             term=None if pty is None else pty.term,
         )
-        identity = self.settings.identity
         login = uses_login_shell(self.settings.login_shell, ctx.allowed_commands)
         cgroup = self._cgroup_for(call.call_id)
-        membership = None if cgroup is None else cgroup.membership
-        spec = HolderSpec(
-            argv=tuple(shell_argv(choose_shell(self.settings.shell), params.command, login=login)),
-            cwd=str(cwd),
-            env=env,
-            uid=None if identity is None else identity.uid,
-            gid=None if identity is None else identity.gid,
-            groups=None if identity is None else tuple(identity.groups),
-            pty=None if pty is None else TerminalSize(pty.rows, pty.cols),
+        spec = command_spec(
+            self.settings,
+            params.command,
+            cwd,
+            env,
+            login,
+            cgroup,
             timeout_s=None if timeout_ms is None else timeout_ms / 1000,
-            kill_grace_s=self.settings.kill_grace_s,
-            spool_max_bytes=self.settings.spool_max_bytes,
-            oom_score_adj=COMMAND_OOM_SCORE_ADJ,
-            # The holder puts the process in its cgroup (all of its directories) before exec.
-            cgroup=membership,
-            cgroup_also=() if cgroup is None else tuple(d for d in cgroup.directories() if d != membership),
+            stdin="pipe",
+            pty=None if pty is None else TerminalSize(pty.rows, pty.cols),
         )
         directory = spool_dir(self.settings.state_dir, call.call_id)
         self._starting += 1

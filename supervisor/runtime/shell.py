@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import structlog
 import trio
@@ -44,7 +44,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
 )
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
 from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost
-from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
+from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec, TerminalSize
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
@@ -202,6 +202,41 @@ def describe_exit(returncode: int) -> tuple[int | None, str | None]:
         except ValueError:
             return None, f"SIG{-returncode}"
     return returncode, None
+
+
+def command_spec(
+    settings: ShellSettings,
+    command: str,
+    cwd: Path,
+    env: dict[str, str],
+    login: bool,
+    cgroup: CommandCgroup | None,
+    *,
+    timeout_s: float | None,
+    stdin: Literal["pipe", "null"],
+    pty: TerminalSize | None = None,
+) -> HolderSpec:
+    """How a command is spawned, by the command host (execute_shell_command) or a holder
+    (start_process): the configured shell, the command user's ids, the OOM score, and its
+    cgroup, which the spawned process joins itself (every directory) before it execs."""
+    identity = settings.identity
+    membership = None if cgroup is None else cgroup.membership
+    return HolderSpec(
+        argv=tuple(shell_argv(choose_shell(settings.shell), command, login=login)),
+        cwd=str(cwd),
+        env=env,
+        uid=None if identity is None else identity.uid,
+        gid=None if identity is None else identity.gid,
+        groups=None if identity is None else tuple(identity.groups),
+        pty=pty,
+        timeout_s=timeout_s,
+        kill_grace_s=settings.kill_grace_s,
+        spool_max_bytes=settings.spool_max_bytes,
+        oom_score_adj=COMMAND_OOM_SCORE_ADJ,
+        cgroup=membership,
+        cgroup_also=() if cgroup is None else tuple(d for d in cgroup.directories() if d != membership),
+        stdin=stdin,
+    )
 
 
 def start_failure(exc: OSError) -> ToolFailure:
@@ -450,22 +485,8 @@ class ShellRuntime:
     ) -> HolderSpec:
         """What the command host runs: the timeout, grace and spool cap are the ones the
         host applies itself if the daemon dies while the command runs."""
-        identity = self.settings.identity
-        membership = None if cgroup is None else cgroup.membership
-        return HolderSpec(
-            argv=tuple(shell_argv(choose_shell(self.settings.shell), params.command, login=login)),
-            cwd=str(cwd),
-            env=env,
-            uid=None if identity is None else identity.uid,
-            gid=None if identity is None else identity.gid,
-            groups=None if identity is None else tuple(identity.groups),
-            timeout_s=params.timeout_ms / 1000,
-            kill_grace_s=self.settings.kill_grace_s,
-            spool_max_bytes=self.settings.spool_max_bytes,
-            oom_score_adj=COMMAND_OOM_SCORE_ADJ,
-            cgroup=membership,
-            cgroup_also=() if cgroup is None else tuple(d for d in cgroup.directories() if d != membership),
-            stdin="null",
+        return command_spec(
+            self.settings, params.command, cwd, env, login, cgroup, timeout_s=params.timeout_ms / 1000, stdin="null"
         )
 
     def _record_start(
