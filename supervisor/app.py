@@ -38,7 +38,7 @@ from sandbox_supervisor.daemon.runtime import cgroups as cgroup_modes
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, can_switch_user, writable_paths
-from sandbox_supervisor.daemon.runtime.adoption import finish_adopted
+from sandbox_supervisor.daemon.runtime.adoption import adopt
 from sandbox_supervisor.daemon.runtime.recovery import Adopted, recover_pending_calls
 from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
 from sandbox_supervisor.daemon.runtime.service import Runtime
@@ -594,7 +594,8 @@ async def run_supervisor(
                 start_runtime(daemon, nursery)
                 adoption_env = RecoveryEnv(store, Path(config.paths.state_dir), roots=roots)
                 for pending in adopted:
-                    nursery.start_soon(finish_adopted, pending, adoption_env, daemon.journal, cgroups)
+                    assert daemon.shell is not None  # start_runtime made it
+                    adopt(pending, adoption_env, daemon.journal, daemon.shell)
                 nursery.start_soon(retry_deferred_acks, daemon.journal)
                 nursery.start_soon(give_space_back, daemon.store)
                 if front is None:

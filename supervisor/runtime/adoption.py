@@ -10,11 +10,11 @@ live journal so attached sockets receive it.
 
 from __future__ import annotations
 
+import contextlib
+
 import structlog
 import trio
 
-from sandbox_supervisor.daemon.runtime import processes
-from sandbox_supervisor.daemon.runtime.cgroups import Cgroups
 from sandbox_supervisor.daemon.runtime.holder_protocol import EXIT_FILE
 from sandbox_supervisor.daemon.runtime.recovery import (
     EXIT_RECORD_POLL_S,
@@ -24,6 +24,7 @@ from sandbox_supervisor.daemon.runtime.recovery import (
     hosted_and_running,
     recover_one,
 )
+from sandbox_supervisor.daemon.runtime.shell import AdoptedGroup, ShellRuntime
 from sandbox_supervisor.daemon.runtime.spool import spool_dir
 from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
 from sandbox_supervisor.daemon.state.journal import Journal
@@ -37,28 +38,40 @@ ADOPTED_POLL_S = 0.05
 COMPLETE_RETRY_S = 1.0
 
 
-async def finish_adopted(adopted: Adopted, env: RecoveryEnv, journal: Journal, cgroups: Cgroups | None) -> None:
+def adopt(adopted: Adopted, env: RecoveryEnv, journal: Journal, shell: ShellRuntime) -> None:
+    """From now on the shell runtime counts the command against max_processes, signals it
+    (exec.signal) and ends it at a stop; a task in its nursery completes the call."""
+    group = shell.track_adopted(adopted.record.call_id, adopted.pid, adopted.pgid, adopted.start_ticks)
+    shell.nursery.start_soon(finish_adopted, adopted, env, journal, shell, group)
+
+
+async def finish_adopted(
+    adopted: Adopted, env: RecoveryEnv, journal: Journal, shell: ShellRuntime, group: AdoptedGroup
+) -> None:
+    """Wait for the adopted command's end and complete its call."""
     record = adopted.record
-    exit_file = spool_dir(env.state_dir, record.call_id) / EXIT_FILE
-    while not exit_file.exists() and hosted_and_running(adopted.pid, adopted.start_ticks):
-        await trio.sleep(ADOPTED_POLL_S)
-    # Gone: its host writes the record once the pipes close, or COMPLETION_GRACE_S later.
-    with trio.move_on_after(EXIT_RECORD_WAIT_S):
-        while not exit_file.exists():
-            await trio.sleep(EXIT_RECORD_POLL_S)
-    # What the command left in the background is ended, as recovery ends it at a start.
-    processes.kill_leftover_group(adopted.pid, adopted.pgid, adopted.start_ticks)
-    if cgroups is not None and cgroups.enabled:
-        cgroup = cgroups.adopt(record.call_id)
-        cgroup.kill()
-        cgroup.remove()
-    while True:
-        try:
-            # recover_one reads the spool and the exit record (without one: interrupted).
-            complete_recovered(journal.complete_call, record, recover_one(record, env))
-            env.store.forget_process(record.call_id)
-            break
-        except StoreError:
-            log.warning("recovery.adopted_not_journaled", call_id=record.call_id)
-            await trio.sleep(COMPLETE_RETRY_S)
-    log.info("recovery.adopted_completed", call_id=record.call_id)
+    try:
+        exit_file = spool_dir(env.state_dir, record.call_id) / EXIT_FILE
+        while not exit_file.exists() and hosted_and_running(adopted.pid, adopted.start_ticks):
+            await trio.sleep(ADOPTED_POLL_S)
+        # Gone: its host writes the record once the pipes close, or COMPLETION_GRACE_S later.
+        with trio.move_on_after(EXIT_RECORD_WAIT_S):
+            while not exit_file.exists():
+                await trio.sleep(EXIT_RECORD_POLL_S)
+        # What the command left in the background is ended, as recovery ends it at a start.
+        await trio.to_thread.run_sync(group.kill)
+        if group.cgroup is not None:
+            with contextlib.suppress(OSError):  # busy or gone: the next start removes it
+                group.cgroup.remove()
+        while True:
+            try:
+                # recover_one reads the spool and the exit record (without one: interrupted).
+                complete_recovered(journal.complete_call, record, recover_one(record, env))
+                env.store.forget_process(record.call_id)
+                break
+            except StoreError:
+                log.warning("recovery.adopted_not_journaled", call_id=record.call_id)
+                await trio.sleep(COMPLETE_RETRY_S)
+        log.info("recovery.adopted_completed", call_id=record.call_id)
+    finally:
+        shell.release_adopted(record.call_id)

@@ -31,6 +31,7 @@ it shares: a test checks its modules.
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import selectors
@@ -59,8 +60,11 @@ __all__ = [
     "main",
 ]
 
-# One datagram each way; a spec carries the command and its environment. The daemon refuses
-# larger ones before sending (command_host_link.py); both ends size their buffers to it.
+# A spec too large for a datagram is written here, in the call's spool directory (private to
+# the daemon's user), and removed once read.
+HOST_SPEC_FILE = "host-spec.json"
+# One datagram each way; a spec carries the command and its environment (larger ones go by
+# file, command_host_link.INLINE_SPEC_MAX_BYTES). Both ends ask for buffers of this size.
 MAX_MESSAGE_BYTES = 1024 * 1024
 # After a command exited, background descendants may hold its pipes: the exit record waits this
 # long for its streams to end, as a completion does (docs/protocol.md §7.4.3).
@@ -86,6 +90,8 @@ class Hosted:
         self.status: int | None = None  # the wait status, once reaped
         self.exited_at: float | None = None
         self.writers: dict[Stream, SpoolWriter] = {}
+        self.truncated: set[str] = set()  # streams whose daemon-side writer dropped bytes
+        self.done = False  # the daemon completed the call: no exit record is needed
         self.timeout_at = None if spec.timeout_s is None else self.started + spec.timeout_s
         self.kill_at: float | None = None
         self.timed_out = False
@@ -149,6 +155,8 @@ class Host:
             self._spawn(call_id, message)
         elif op == "done":
             self._forget(call_id)
+        elif op == "truncated" and call_id in self.commands and message.get("stream") in ("stdout", "stderr"):
+            self.commands[call_id].truncated.add(message["stream"])
 
     def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         if self.daemon is None:
@@ -163,9 +171,18 @@ class Host:
     def _spawn(self, call_id: str, message: dict[str, Any]) -> None:
         try:
             directory = Path(str(message["dir"]))
+            if "spec_file" in message:  # a large one: written beside the spool, read once
+                spec_path = directory / HOST_SPEC_FILE
+                try:
+                    document = json.loads(spec_path.read_text(encoding="utf-8"))
+                finally:
+                    with contextlib.suppress(OSError):
+                        spec_path.unlink()
+            else:
+                document = message["spec"]
             # execute_shell_command: stdin on /dev/null, no terminal.
-            spec = parse_spec(message["spec"])._replace(pty=None, stdin="null")
-        except (KeyError, SpecError) as exc:
+            spec = parse_spec(document)._replace(pty=None, stdin="null")
+        except (KeyError, ValueError, OSError, SpecError) as exc:
             self._send({"op": "failed", "id": call_id, "stage": "spec", "errno": 0, "message": str(exc)})
             return
         if call_id in self.commands:
@@ -205,6 +222,7 @@ class Host:
         command = self.commands.get(call_id)
         if command is None:
             return
+        command.done = True
         for fd in command.outputs.values():
             os.close(fd)
         command.outputs.clear()
@@ -239,10 +257,10 @@ class Host:
             self.selector.unregister(command.pidfd)
             os.close(command.pidfd)
             command.pidfd = None
-        if self.daemon is not None:
+        if command.done:
+            self._drop(command)  # the daemon said done before the exit (an abandoned call)
+        elif self.daemon is not None:
             self._send({"op": "exited", "id": command.call_id, "status": status})
-            if not command.outputs:  # the daemon said done before the exit
-                self._drop(command)
         else:
             self._record_if_done(command)
 
@@ -260,7 +278,9 @@ class Host:
             if not command.outputs:
                 continue  # done, still running: reaped and dropped when it exits
             for name, fd in command.outputs.items():
-                command.writers[name] = SpoolWriter.resume(command.directory / name, command.spec.spool_max_bytes)
+                command.writers[name] = SpoolWriter.resume(
+                    command.directory / name, command.spec.spool_max_bytes, truncated=name in command.truncated
+                )
                 os.set_blocking(fd, False)
                 self.selector.register(fd, selectors.EVENT_READ, lambda _m, c=command, n=name: self._on_output(c, n))
             if command.status is not None:

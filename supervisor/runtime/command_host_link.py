@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 import trio
 
-from sandbox_supervisor.daemon.runtime.command_host import MAX_MESSAGE_BYTES
+from sandbox_supervisor.daemon.runtime.command_host import HOST_SPEC_FILE, MAX_MESSAGE_BYTES
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 
 log = structlog.get_logger("supervisor.shell")
@@ -40,6 +40,9 @@ HOST_MODULE = "sandbox_supervisor.daemon.runtime.command_host"
 # A spawn is a fork and an exec in a small process: milliseconds. Past this the host is
 # taken for wedged, killed, and the spawn fails.
 SPAWN_TIMEOUT_S = 10.0
+# Larger spawn requests send their spec by file (HOST_SPEC_FILE): well under any kernel's
+# datagram limit for this socket.
+INLINE_SPEC_MAX_BYTES = 64 * 1024
 # How long a stop waits for a host without commands to exit (it exits as the socket closes).
 HOST_EXIT_WAIT_S = 1.0
 # Two descriptors (stdout, stderr) per `spawned` message.
@@ -115,20 +118,16 @@ class CommandHost:
         """Start `spec` (stdin /dev/null, no terminal) for `call_id`; SpawnFailed when it did
         not start, OSError when the host itself cannot be started or reached."""
         message = json.dumps({"op": "spawn", "id": call_id, "dir": str(directory), "spec": spec.to_json()}).encode()
-        if len(message) > MAX_MESSAGE_BYTES:
-            raise SpawnFailed("spec", 0, "the command and its environment are too large to start")
+        if len(message) > INLINE_SPEC_MAX_BYTES:
+            # A datagram must fit the socket's send buffer (2 × net.core.wmem_max: 416 KiB on
+            # a stock kernel); a large environment goes by file, in the call's private spool.
+            message = await trio.to_thread.run_sync(_spec_by_file, call_id, directory, spec)
         # Shielded, with its own deadline: cut off between the request and the answer, a
         # spawn would leave a command running that nobody tends.
         with trio.CancelScope(shield=True):
             async with self._lock:
-                sock = await self._connect()
-                self._reply = None
+                sock = await self._send_spawn(message)
                 with trio.move_on_after(SPAWN_TIMEOUT_S):
-                    try:
-                        self._flush_unsent()
-                        await sock.send(message)
-                    except (OSError, trio.ClosedResourceError):
-                        pass  # the host died: its EOF ends the wait below
                     await self.receive_until(lambda: self._reply is not None or self._socket is not sock)
                 answer = self._reply
                 if answer is None:
@@ -143,6 +142,34 @@ class CommandHost:
             await self._discard(sock, "answered out of turn")
             raise OSError("the command host answered out of turn")
         return process
+
+    async def _send_spawn(self, message: bytes) -> trio.socket.SocketType:
+        """Send a spawn request; the socket it went to. A host found dead before the request
+        reached it (it ended while idle: EPIPE, or its process already reaped) is replaced
+        once: nothing of this spawn can have run. Any other refusal of the send fails the
+        spawn alone, never the host and the commands it keeps."""
+        for attempt in range(2):
+            sock = await self._connect()
+            self._reply = None
+            try:
+                self._flush_unsent()
+                await sock.send(message)
+                return sock
+            except (BrokenPipeError, ConnectionResetError, trio.ClosedResourceError):
+                self._lost(sock)
+                if attempt:
+                    raise
+            except OSError as exc:
+                raise SpawnFailed("send", exc.errno or errno.EIO, str(exc)) from None
+        raise AssertionError("unreachable")
+
+    def stream_truncated(self, call_id: str, stream: str) -> None:
+        """A stream of the command dropped bytes: should the host take it over, it keeps none
+        after them (SpoolWriter.resume)."""
+        if call_id not in self._processes or self._socket is None:
+            return
+        self._unsent.append(json.dumps({"op": "truncated", "id": call_id, "stream": stream}).encode())
+        self._flush_unsent()
 
     def done(self, call_id: str) -> None:
         """The call completed: the host forgets the command (and records no exit for it)."""
@@ -178,7 +205,9 @@ class CommandHost:
             self._reading = True
             try:
                 try:
-                    data, ancillary, _flags, _addr = await sock.recvmsg(MAX_MESSAGE_BYTES, _ANCILLARY_BYTES)
+                    data, ancillary, _flags, _addr = await sock.recvmsg(
+                        MAX_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC
+                    )
                 except (OSError, trio.ClosedResourceError):
                     data, ancillary = b"", []
                 self._dispatch(sock, data, _received_fds(ancillary))
@@ -246,7 +275,10 @@ class CommandHost:
 
     async def _connect(self) -> trio.socket.SocketType:
         if self._socket is not None:
-            return self._socket
+            process = self._process
+            if process is None or process.poll() is None:
+                return self._socket
+            self._lost(self._socket)  # it ended while nobody read its socket: a new one
         if self.closed:
             raise OSError("the command host is closed (the daemon is stopping)")
         await self._reap()
@@ -299,6 +331,17 @@ class CommandHost:
             self._flush_unsent()
             self._lost(sock)
         await self._reap()
+
+
+def _spec_by_file(call_id: str, directory: Path, spec: HolderSpec) -> bytes:
+    """Write the spec beside the call's spool (created private, as the spool is) and return
+    the request that names it; the host reads and removes it."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / HOST_SPEC_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(spec.to_json(), handle)
+    return json.dumps({"op": "spawn", "id": call_id, "dir": str(directory), "spec_file": HOST_SPEC_FILE}).encode()
 
 
 def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -15,8 +15,9 @@ record); this module is the trio plumbing between a pair of pipes and them.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,10 +153,11 @@ class CommandOutput:
         journal: Journal,
         telemetry: Telemetry | None = None,
         origin: str | None = None,
+        on_truncated: Callable[[Stream], None] | None = None,
     ) -> CommandOutput:
         """Create the call's spool (its directory now; each stream's file with its first
         byte). OSError when it cannot be created — FileExistsError for a call that already
-        has one."""
+        has one. `on_truncated(stream)`: called when a stream first drops bytes."""
         streams: dict[Stream, StreamOutput] = {}
         being_written = spools_being_written(state_dir)
         if call_id in being_written:
@@ -164,7 +166,11 @@ class CommandOutput:
         try:
             for name in STREAMS:
                 streams[name] = StreamOutput(
-                    SpoolWriter(stream_path(state_dir, call_id, name), limits.spool_max_bytes),
+                    SpoolWriter(
+                        stream_path(state_dir, call_id, name),
+                        limits.spool_max_bytes,
+                        on_truncated=None if on_truncated is None else functools.partial(on_truncated, name),
+                    ),
                     LiveOutput(limits.throttle_ms, limits.max_chunk_bytes, limits.buffer_bytes),
                 )
         except BaseException:

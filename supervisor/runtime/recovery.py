@@ -128,11 +128,12 @@ def kill_leftover_groups(
     return killed
 
 
-def remove_spool_leftovers(store: StateStore, state_dir: Path, started_at: float) -> int:
+def remove_spool_leftovers(store: StateStore, state_dir: Path, started_at: float, keep: Collection[str] = ()) -> int:
     """Remove the empty temporary files a kill left in the spool (spool.temporary_beside's),
-    except in the directories of held processes not known ended: their holders may be alive
-    and writing one right now (docs/operations.md, "Faults and what the daemon does")."""
-    live = {record.call_id for record in store.held_processes() if record.exit_json is None}
+    except in the directories of held processes not known ended and of commands a command
+    host still runs (`keep`): their holders and hosts may be alive and writing one right now
+    (docs/operations.md, "Faults and what the daemon does")."""
+    live = {record.call_id for record in store.held_processes() if record.exit_json is None} | set(keep)
     try:
         removed = remove_leftover_temporaries(state_dir, keep=live, older_than=started_at)
     except OSError as exc:  # a courtesy, never a reason not to start
@@ -192,7 +193,7 @@ def recover_pending_calls(
     await_exit_records(store, state_dir)
     running = hosted_commands(store, state_dir)
     kill_leftover_groups(store, state_dir, cgroups, keep=running)
-    remove_spool_leftovers(store, state_dir, started_at)
+    remove_spool_leftovers(store, state_dir, started_at, keep=running)
     own_roots = roots is None
     if roots is None:
         roots = WorkspaceRoots()

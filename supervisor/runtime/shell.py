@@ -15,6 +15,7 @@ throttled live view), `spool` (the lossless record).
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import os
 import signal
@@ -42,6 +43,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
     OutputLimits,
     SpoolBudget,
 )
+from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
 from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec, TerminalSize
@@ -270,6 +272,45 @@ class Command:
         return self.group.send_signal(signum)
 
 
+@dataclass(eq=False)
+class AdoptedGroup:
+    """A command a previous daemon started that still runs under its command host (the
+    call stays pending until the host records its end: runtime/adoption.py). Signalled, stopped
+    and counted like this daemon's own commands; its pgid is signalled only while its leader
+    is still the recorded process (pid and start time)."""
+
+    call_id: str
+    pid: int
+    pgid: int
+    start_ticks: int
+    cgroup: CommandCgroup | None = None
+    done: trio.Event = field(default_factory=trio.Event)  # its call completed
+
+    def leader_is_ours(self) -> bool:
+        stat = processes.read_stat(self.pid)
+        return stat is not None and stat.start_ticks == self.start_ticks
+
+    def send_signal(self, signum: int) -> bool:
+        if self.cgroup is not None:
+            try:
+                return self.cgroup.signal(signum) > 0
+            except OSError:
+                pass
+        if not self.leader_is_ours():
+            return False
+        try:
+            os.killpg(self.pgid, signum)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def kill(self) -> None:
+        if self.cgroup is not None:
+            with contextlib.suppress(OSError):
+                self.cgroup.kill()
+        processes.kill_leftover_group(self.pid, self.pgid, self.start_ticks)
+
+
 class ShellRuntime:
     def __init__(
         self,
@@ -300,12 +341,27 @@ class ShellRuntime:
         # spools, which a prune must keep (their holders still write them).
         # The commands' parent (command_host.py), started with the first command.
         self.host = CommandHost()
+        # Commands a previous daemon left running under its command host, by call_id.
+        self.adopted: dict[str, AdoptedGroup] = {}
         self.held_running: Callable[[], int] = lambda: 0
         self.held_spools: Callable[[], set[str]] = set
 
     @property
     def running(self) -> int:
-        return self._starting + sum(1 for command in self.commands.values() if not command.shell_exited)
+        own = sum(1 for command in self.commands.values() if not command.shell_exited)
+        return self._starting + own + len(self.adopted)
+
+    def track_adopted(self, call_id: str, pid: int, pgid: int, start_ticks: int) -> AdoptedGroup:
+        """Count, signal and stop an adopted command like one of ours until `release_adopted`."""
+        cgroups = self.settings.cgroups
+        cgroup = cgroups.adopt(call_id) if cgroups is not None and cgroups.enabled else None
+        group = self.adopted[call_id] = AdoptedGroup(call_id, pid, pgid, start_ticks, cgroup)
+        return group
+
+    def release_adopted(self, call_id: str) -> None:
+        group = self.adopted.pop(call_id, None)
+        if group is not None:
+            group.done.set()
 
     @property
     def spool_bytes(self) -> int:
@@ -442,6 +498,9 @@ class ShellRuntime:
                 self.journal,
                 self.telemetry,
                 origin,
+                # The host must not append after bytes this writer dropped, should it take
+                # the stream over (the state file saying so may be refused by a full disk).
+                on_truncated=functools.partial(self.host.stream_truncated, call_id),
             )
         except OSError as exc:
             raise start_failure(exc) from None
@@ -585,12 +644,16 @@ class ShellRuntime:
             self._forget_if_done(command)
             if self._spools.add(command.output.spooled_bytes):
                 keep = {call_id for call_id, c in self.commands.items() if not c.output.finished.is_set()}
+                keep |= set(self.adopted)  # their hosts still write them
                 await self._spools.prune(keep | self.held_spools())
 
     # --- exec.* frames -------------------------------------------------------------------
 
     def signal_command(self, call_id: str, signame: Signal) -> str | None:
         """Send a signal to a command's group; an error code, or None when sent."""
+        adopted = self.adopted.get(call_id)
+        if adopted is not None:
+            return None if adopted.send_signal(SIGNALS[signame]) else errors.NOT_RUNNING
         command = self.commands.get(call_id)
         if command is None:
             return errors.NOT_RUNNING if self.known_call(call_id) else errors.UNKNOWN_CALL
@@ -620,7 +683,8 @@ class ShellRuntime:
             return None
         if writer_alive is None:
             command = self.commands.get(call_id)
-            writer_alive = command is not None and command.output.writer_alive(stream)
+            # An adopted command's host writes its spool until the call completes.
+            writer_alive = call_id in self.adopted or (command is not None and command.output.writer_alive(stream))
         try:
             page = read_range(
                 stream_path(self.settings.state_dir, call_id, stream), offset, length, writer_alive=writer_alive
@@ -645,9 +709,13 @@ class ShellRuntime:
         this wakes the results are journaled."""
         while True:
             pending = next((c for c in self.commands.values() if not c.completed.is_set()), None)
-            if pending is None:
+            if pending is not None:
+                await pending.completed.wait()
+                continue
+            adopted = next(iter(self.adopted.values()), None)
+            if adopted is None:
                 return
-            await pending.completed.wait()
+            await adopted.done.wait()
 
     async def stop_all(self) -> None:
         """SIGTERM every running group, SIGKILL after the grace (docs/protocol.md §10.1); the calls'
@@ -657,3 +725,15 @@ class ShellRuntime:
         async with trio.open_nursery() as nursery:
             for command in running:
                 nursery.start_soon(self.terminate_group, command)
+            for adopted in list(self.adopted.values()):
+                nursery.start_soon(self._terminate_adopted, adopted)
+
+    async def _terminate_adopted(self, adopted: AdoptedGroup) -> None:
+        """As terminate_group, for a command of a previous daemon: its host records the end
+        and the adoption task journals it (wait_calls_completed waits for that)."""
+        if not adopted.send_signal(signal.SIGTERM):
+            return
+        with trio.move_on_after(self.settings.kill_grace_s):
+            await adopted.done.wait()
+            return
+        await trio.to_thread.run_sync(adopted.kill)

@@ -43,6 +43,7 @@ import json
 import os
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import NamedTuple
 
 from sandbox_supervisor.protocol.plain import STREAMS, UUID_PATTERN
@@ -241,7 +242,9 @@ def read_state(path: Path) -> StreamState | None:
 class SpoolWriter:
     """Appends one stream's bytes to its spool file, keeping at most `cap_bytes`."""
 
-    def __init__(self, path: str | os.PathLike[str], cap_bytes: int) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], cap_bytes: int, on_truncated: Callable[[], None] | None = None
+    ) -> None:
         if cap_bytes < 0:
             raise ValueError("cap_bytes must not be negative")
         self.path = Path(path)
@@ -257,13 +260,16 @@ class SpoolWriter:
         self._size = 0
         self._total = 0
         self._truncated = False
+        self._state_unrecorded = False  # the `truncated` state could not be written yet
+        # Told when bytes are first dropped (the command host, which may resume the stream).
+        self._on_truncated = on_truncated
         self.write_error: str | None = None  # strerror of the write the disk refused
 
     @classmethod
-    def resume(cls, path: str | os.PathLike[str], cap_bytes: int) -> SpoolWriter:
+    def resume(cls, path: str | os.PathLike[str], cap_bytes: int, *, truncated: bool = False) -> SpoolWriter:
         """A writer that goes on where another one's writes ended (it died, or handed the
         stream over): what the file holds is kept, and `total` and `truncated` continue from
-        the recorded state. As in `seal_stream`, bytes the other writer dropped past the cap
+        the recorded state. A stream that dropped bytes keeps nothing more. As in `seal_stream`, bytes the other writer dropped past the cap
         after its last recorded state are not counted (it records the state when it first
         drops, and at its close)."""
         path = Path(path)
@@ -273,6 +279,8 @@ class SpoolWriter:
         writer._cap = cap_bytes
         writer._fd = None
         writer._closed = False
+        writer._on_truncated = None
+        writer._state_unrecorded = False
         writer.write_error = None
         writer._size = 0
         try:
@@ -284,7 +292,13 @@ class SpoolWriter:
         except OSError as exc:
             writer.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
         writer._total = max(writer._size, previous.total if previous else 0)
-        writer._truncated = previous.truncated if previous else False
+        # `truncated`: the other writer said it dropped bytes, also when its disk refused the
+        # state file that says so.
+        writer._truncated = truncated or (previous.truncated if previous else False)
+        if writer._truncated:
+            # Bytes were dropped (the cap, or a disk that refused them): anything appended now
+            # would sit at the offsets of bytes that were never kept. Only counted from here.
+            writer._cap = writer._size
         return writer
 
     @property
@@ -327,14 +341,21 @@ class SpoolWriter:
         self._size += kept
         if kept < len(data) and not self._truncated:
             self._truncated = True
-            # Recorded now, not only at close: a reader must see `truncated` while it runs.
+            # Recorded now, not only at close: a reader must see `truncated` while it runs,
+            # and a writer that resumes the stream after a crash must not append after a gap.
             self._record(ended=False)
+            if self._on_truncated is not None:
+                self._on_truncated()
+        elif self._truncated and self._state_unrecorded and data:
+            self._record(ended=False)  # the disk refused the record before: try again
         return kept
 
     def _record(self, *, ended: bool) -> None:
         try:
             _write_state(self.path, self._state(ended=ended))
+            self._state_unrecorded = False
         except OSError as exc:
+            self._state_unrecorded = True
             # Best effort, like the bytes: the command and its result go on without it.
             self.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
 
