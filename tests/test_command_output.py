@@ -19,6 +19,7 @@ from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.daemon.runtime.command_output import (
     CommandOutput,
     OutputLimits,
+    PRUNE_SLACK_DIVISOR,
     SpoolBudget,
     StreamOutput,
 )
@@ -337,3 +338,15 @@ async def test_a_stream_cut_by_a_full_budget_never_keeps_bytes_after_the_gap(sto
         output.close()
     assert stream_path(state_dir, fresh, "stdout").read_bytes() == b"f" * 5
     assert stream_path(state_dir, quiet, "stdout").read_bytes() == b""
+
+
+async def test_a_prune_for_a_write_frees_a_slack_beyond_it(tmp_path):
+    """A command printing on at the cap must not cost a disk scan per pipe read: the prune a
+    write asks for frees a sixteenth of the cap more than the write needs."""
+    for age in range(40):
+        write_spool(tmp_path, str(uuid.uuid4()), 100, mtime=1_000_000 - age * 1000)
+    cap = sum(u.bytes for u in spool_usage(tmp_path))  # exactly full of finished spools
+    budget = SpoolBudget(tmp_path, cap_bytes=cap)
+    await budget.prune(need=1)
+    assert budget.bytes <= cap - 1 - cap // PRUNE_SLACK_DIVISOR
+    assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path)) and not budget.full

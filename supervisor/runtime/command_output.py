@@ -48,6 +48,7 @@ __all__ = [
     "READ_CHUNK_BYTES",
     "CommandOutput",
     "NO_LIMIT",
+    "PRUNE_SLACK_DIVISOR",
     "OutputLimits",
     "SpoolBudget",
     "StreamOutput",
@@ -273,7 +274,8 @@ class CommandOutput:
                 if not data:
                     break
                 budget = stream.budget
-                if budget is not None and budget.bytes + len(data) > budget.prune_at:
+                # (A stream that already drops everything keeps nothing: no room to make.)
+                if budget is not None and budget.bytes + len(data) > budget.prune_at and not stream.spool.truncated:
                     # Past the cap: first delete finished spools to make room for these
                     # bytes, then keep them (or what fits, when the budget is full). The
                     # reader waits for the prune, so nothing passes the cap while the disk
@@ -387,6 +389,10 @@ class _Kept:
 
 # SpoolBudget's limit while there is room: a write never compares above it.
 NO_LIMIT = sys.maxsize
+# A prune that makes room for a write frees this fraction of the cap more than the write
+# needs: a command printing on at the cap then costs a disk scan per cap/16 bytes, not one
+# per pipe read (each would delete just enough for that read).
+PRUNE_SLACK_DIVISOR = 16
 
 
 class SpoolBudget:
@@ -475,7 +481,8 @@ class SpoolBudget:
     async def _prune_once(self, keep: set[str], need: int) -> None:
         self._bytes_at_scan = self.bytes
         kept = _Kept(keep, self._being_written)
-        target = max(0, self.cap_bytes - need)
+        slack = self.cap_bytes // PRUNE_SLACK_DIVISOR if need else 0
+        target = max(0, self.cap_bytes - need - slack)
         try:
             removed, left = await trio.to_thread.run_sync(prune_finished_spools, self.state_dir, target, kept)
         except OSError:
