@@ -238,12 +238,12 @@ async def test_spool_budget_counts_the_disk_and_prunes_the_oldest_unkept(tmp_pat
     sidecars = sum(u.bytes for u in spool_usage(tmp_path)) - 300  # .state files count too
     budget = SpoolBudget(tmp_path, cap_bytes=250 + sidecars)
     assert budget.bytes == 300 + sidecars
-    assert budget.add(0) is True  # already past the cap
+    assert budget.over_cap  # already past the cap
     await budget.prune(keep={oldest})  # the oldest is still running: never pruned
     assert not spool_dir(tmp_path, middle).exists()
     assert spool_dir(tmp_path, oldest).exists() and spool_dir(tmp_path, newest).exists()
     assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path))
-    assert budget.add(0) is False
+    assert not budget.over_cap
 
 
 async def test_a_prune_takes_only_finished_spools(tmp_path, store):

@@ -405,9 +405,9 @@ class SpoolBudget:
     next prune's scan.
 
     When a write would take the total past the cap, the writer first waits for a prune,
-    which deletes the oldest finished spools until the write fits. One prune runs at a time: a request while one
-    runs is folded into it (it scans once more if the total is still over the cap) and waits
-    for it, so two passes never race to delete the same spool.
+    which deletes the oldest finished spools until the write fits. One prune runs at a
+    time: a request while one runs is folded into it (it scans once more if the total is
+    still over the cap) and waits for it, so two passes never race to delete the same spool.
 
     When a prune leaves no room for the write, what is left is only what it may not take
     (running commands, held processes): the budget is *full*. The writers then keep nothing
@@ -445,12 +445,6 @@ class SpoolBudget:
     @property
     def over_cap(self) -> bool:
         return self.bytes > self.cap_bytes
-
-    def add(self, nbytes: int) -> bool:
-        """Count bytes written to a spool outside a `StreamOutput`; True when the total is
-        now past the cap."""
-        self.bytes += nbytes
-        return self.over_cap
 
     async def prune(self, keep: set[str] | None = None, *, need: int = 0) -> None:
         """Delete the oldest finished spools not in `keep` (default: the budget's `keep()`)
