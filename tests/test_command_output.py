@@ -19,11 +19,12 @@ from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.daemon.runtime.command_output import (
     CommandOutput,
     OutputLimits,
+    PRUNE_SLACK_DIVISOR,
     SpoolBudget,
     StreamOutput,
 )
 from sandbox_supervisor.daemon.runtime.output import LiveOutput
-from sandbox_supervisor.daemon.runtime.spool import SpoolWriter, spool_dir, spool_usage, stream_path
+from sandbox_supervisor.daemon.runtime.spool import SpoolWriter, read_state, spool_dir, spool_usage, stream_path
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
 
@@ -237,12 +238,12 @@ async def test_spool_budget_counts_the_disk_and_prunes_the_oldest_unkept(tmp_pat
     sidecars = sum(u.bytes for u in spool_usage(tmp_path)) - 300  # .state files count too
     budget = SpoolBudget(tmp_path, cap_bytes=250 + sidecars)
     assert budget.bytes == 300 + sidecars
-    assert budget.add(0) is True  # already past the cap
+    assert budget.over_cap  # already past the cap
     await budget.prune(keep={oldest})  # the oldest is still running: never pruned
     assert not spool_dir(tmp_path, middle).exists()
     assert spool_dir(tmp_path, oldest).exists() and spool_dir(tmp_path, newest).exists()
     assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path))
-    assert budget.add(0) is False
+    assert not budget.over_cap
 
 
 async def test_a_prune_takes_only_finished_spools(tmp_path, store):
@@ -304,3 +305,48 @@ async def test_prunes_run_one_at_a_time(tmp_path, monkeypatch):
     assert most[0] == 1
     assert sum(u.bytes for u in spool_usage(tmp_path)) <= 500 == budget.cap_bytes
     assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path))
+
+
+async def test_a_stream_cut_by_a_full_budget_never_keeps_bytes_after_the_gap(store):
+    """Running commands' spools alone at the cap: new bytes are dropped (counted, the stream
+    truncated, the on-disk state saying so); when a finished spool is pruned there is room
+    again, but only for streams that dropped nothing: a byte kept after a dropped one would
+    sit at that one's offset."""
+    state_dir = store.path.parent
+    cut, quiet, fresh = (str(uuid.uuid4()) for _ in range(3))
+    budget = SpoolBudget(state_dir, cap_bytes=500)  # room for the `.state` files left
+    outputs = {c: CommandOutput.open(state_dir, c, FAST, Journal(store), budget=budget) for c in (cut, quiet, fresh)}
+    assert outputs[cut].streams["stdout"].feed(b"a" * 450) == 450
+    assert not budget.full
+    await budget.prune(need=100)  # what the reader does before a write past the cap
+    assert budget.full  # nothing finished to take: the 100 bytes do not fit
+    cut_stdout = outputs[cut].streams["stdout"]
+    assert cut_stdout.feed(b"b" * 100) == 50  # up to the cap exactly
+    assert outputs[quiet].streams["stdout"].feed(b"q") == 0
+    assert (cut_stdout.spool.total, cut_stdout.spool.size, budget.bytes) == (550, 500, 500)
+    state = read_state(stream_path(state_dir, cut, "stdout"))
+    assert state is not None and state.truncated and not state.ended
+    assert cut_stdout.summary_body()["truncated"] is True
+    # The cut command ends: its spool is pruned, and the budget has room again...
+    outputs[cut].close()
+    await budget.prune()
+    assert not spool_dir(state_dir, cut).exists() and not budget.full
+    assert outputs[fresh].streams["stdout"].feed(b"f" * 5) == 5
+    # ... but not for a stream that has dropped bytes.
+    assert outputs[quiet].streams["stdout"].feed(b"q") == 0
+    for output in outputs.values():
+        output.close()
+    assert stream_path(state_dir, fresh, "stdout").read_bytes() == b"f" * 5
+    assert stream_path(state_dir, quiet, "stdout").read_bytes() == b""
+
+
+async def test_a_prune_for_a_write_frees_a_slack_beyond_it(tmp_path):
+    """A command printing on at the cap must not cost a disk scan per pipe read: the prune a
+    write asks for frees a sixteenth of the cap more than the write needs."""
+    for age in range(40):
+        write_spool(tmp_path, str(uuid.uuid4()), 100, mtime=1_000_000 - age * 1000)
+    cap = sum(u.bytes for u in spool_usage(tmp_path))  # exactly full of finished spools
+    budget = SpoolBudget(tmp_path, cap_bytes=cap)
+    await budget.prune(need=1)
+    assert budget.bytes <= cap - 1 - cap // PRUNE_SLACK_DIVISOR
+    assert budget.bytes == sum(u.bytes for u in spool_usage(tmp_path)) and not budget.full

@@ -12,7 +12,7 @@ import uuid
 import trio
 
 from sandbox_supervisor.daemon.runtime.processes import group_members, read_stat
-from sandbox_supervisor.daemon.runtime.spool import spool_dir
+from sandbox_supervisor.daemon.runtime.spool import read_state, spool_dir, stream_path
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
 
@@ -379,21 +379,24 @@ async def test_spools_past_the_disk_cap_lose_their_oldest_finished_calls(tmp_pat
         assert daemon.supervisor.shell.spool_bytes <= 150_000 + 60000
 
 
-# Bursts of short commands beside a long one whose spool alone passes a small cap: every
-# command that finishes asks for a prune while others start and write.
+# Bursts of short commands beside a long one, together far past a small cap that what runs
+# at once fits in (else new output would be dropped, test_spool_full_*): every command that
+# finishes asks for a prune while others start and write.
 BURSTS, BURST_SIZE = 4, 12
 LINE = "x" * 100
+PRUNED_CAP = 5000
+LONG_BYTES = 500
 
 
 async def test_pruning_never_takes_a_running_commands_spool(tmp_path, authority):
     layout = make_layout(
-        tmp_path / "d", authority=authority, exec={"spool_total_max_bytes": 1000, "max_processes": 2 * BURST_SIZE}
+        tmp_path / "d", authority=authority, exec={"spool_total_max_bytes": PRUNED_CAP, "max_processes": 2 * BURST_SIZE}
     )
     async with in_process_daemon(layout) as daemon:
         async with daemon.client().connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
             long_id = await session.call(
-                "execute_shell_command", {"command": "head -c 5000 /dev/zero; sleep 30"}, idempotency_key="long"
+                "execute_shell_command", {"command": f"head -c {LONG_BYTES} /dev/zero; sleep 30"}, idempotency_key="long"
             )
             await session.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == long_id)
             ids = []
@@ -413,14 +416,77 @@ async def test_pruning_never_takes_a_running_commands_spool(tmp_path, authority)
             for call_id in ids:
                 stdout = (await session.result(call_id))["result"]["stdout"]
                 assert (stdout["bytes"], stdout["truncated"]) == (2 * (len(LINE) + 1), False), call_id
-            # The long command, still running and far past the cap alone, keeps its spool.
+            # The long command, still running and older than every pruned one, keeps its spool.
             await session.send("exec.read_output", {"call_id": long_id, "stream": "stdout", "offset": 0, "length": 65536})
             page = await session.receive_until(lambda f: f["kind"] == "exec.output_page")
-            assert len(base64.b64decode(page["body"]["data"])) == 5000
+            assert len(base64.b64decode(page["body"]["data"])) == LONG_BYTES
             # Finished spools did go, oldest first, down to what still runs.
             assert not spool_dir(layout.state_dir, ids[0]).exists()
             await session.send("exec.signal", {"call_id": long_id, "signal": "SIGKILL"})
             await session.result(long_id)
+
+
+# A cap well under what one command prints, and above one pipe read (64 KiB), so that the
+# first reads fit and a later one is cut at the cap exactly.
+FULL_CAP = 100_000
+FLOOD_BYTES = 300_000
+DEADLINE_S = 20
+
+
+def wait_for(path) -> str:
+    """A shell loop that waits (bounded by the test's deadline) for `path` to exist."""
+    return f"while [ ! -e {path} ]; do sleep 0.02; done"
+
+
+async def test_spool_full_drops_new_output_of_running_commands(tmp_path, authority):
+    """When the spools a prune may not take (running commands') alone reach
+    exec.spool_total_max_bytes, new output is not written any more: dropped and counted as past
+    a stream's own cap, while the live events still carry it. Once a command ends and its
+    spool is pruned, there is room again for streams that have dropped nothing."""
+    layout = make_layout(tmp_path / "d", authority=authority, exec={"spool_total_max_bytes": FULL_CAP})
+    flooded, later = layout.workspace / "flooded", layout.workspace / "later"
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            quiet = await session.call(
+                "execute_shell_command",
+                {"command": f"printf early; {wait_for(later)}; printf later"},
+                idempotency_key="quiet",
+            )
+            await session.receive_until(lambda f: f["kind"] == "exec.output" and f["body"]["call_id"] == quiet)
+            flood = await session.call(
+                "execute_shell_command",
+                {"command": f"head -c {FLOOD_BYTES} /dev/zero; {wait_for(flooded)}"},
+                idempotency_key="flood",
+            )
+            # Every byte reaches the live events (offsets count what the live buffer dropped).
+            await session.receive_until(
+                lambda f: f["kind"] == "exec.output"
+                and f["body"]["call_id"] == flood
+                and f["body"]["offset"] + f["body"]["bytes"] == FLOOD_BYTES,
+                timeout=DEADLINE_S,
+            )
+            # While it runs, its spool stopped growing at the cap: with the quiet one's bytes
+            # the spools hold exactly the cap, and the stream says it is truncated.
+            flood_stdout = stream_path(layout.state_dir, flood, "stdout")
+            quiet_stdout = stream_path(layout.state_dir, quiet, "stdout")
+            assert flood_stdout.stat().st_size + quiet_stdout.stat().st_size == FULL_CAP
+            state = read_state(flood_stdout)
+            assert state is not None and state.truncated and not state.ended
+            assert daemon.supervisor.shell.spool_bytes == FULL_CAP
+            flooded.touch()
+            result = await session.result(flood, timeout=DEADLINE_S)
+            stdout = result["result"]["stdout"]
+            assert (stdout["bytes"], stdout["truncated"]) == (FLOOD_BYTES, True)
+            # Its end makes its spool prunable: the prune gives the quiet one room again.
+            with trio.fail_after(DEADLINE_S):
+                while spool_dir(layout.state_dir, flood).exists():
+                    await trio.sleep(0.02)
+            later.touch()
+            result = await session.result(quiet, timeout=DEADLINE_S)
+            stdout = result["result"]["stdout"]
+            assert (stdout["head"], stdout["truncated"]) == ("earlylater", False)
+            assert await read_all(session, quiet, "stdout") == b"earlylater"
 
 
 async def test_a_lingering_group_is_forgotten_once_its_last_process_exits(daemon, session):

@@ -7,7 +7,8 @@ tasks run until the call has completed *and* both pipes have closed: output from
 descendants keeps arriving (`after_exit: true`) after the call has completed.
 
 `SpoolBudget` keeps the total size of all spools under `exec.spool_total_max_bytes`, deleting
-the oldest finished ones.
+the oldest finished ones; when the spools it may not delete (running commands', held
+processes') alone pass the cap, the commands' writers keep nothing more.
 
 The policy lives in plain modules: `output` (the live view, the summary) and `spool` (the
 record); this module is the trio plumbing between a pair of pipes and them.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,8 @@ __all__ = [
     "CLOCK_EPSILON_S",
     "READ_CHUNK_BYTES",
     "CommandOutput",
+    "NO_LIMIT",
+    "PRUNE_SLACK_DIVISOR",
     "OutputLimits",
     "SpoolBudget",
     "StreamOutput",
@@ -94,14 +98,33 @@ class StreamOutput:
     """One stream of one command: its spool, its live view and its result summary, fed the
     same bytes."""
 
-    def __init__(self, spool: SpoolWriter, live: LiveOutput, summary: StreamHeadTail | None = None) -> None:
+    def __init__(
+        self,
+        spool: SpoolWriter,
+        live: LiveOutput,
+        summary: StreamHeadTail | None = None,
+        budget: SpoolBudget | None = None,
+    ) -> None:
         self.spool = spool
         self.live = live
         self.summary = summary if summary is not None else StreamHeadTail()
         self.closed = False  # the pipe reached its end (or its reader stopped)
+        self.budget = budget  # all spools' cap, which this stream's kept bytes count against
 
     def feed(self, data: bytes) -> int:
-        """Bytes the spool kept (fewer than fed past its cap or on a disk error)."""
+        """Bytes the spool kept (fewer than fed past its cap, past all spools' cap when the
+        budget is full, or on a disk error)."""
+        budget = self.budget
+        if budget is None:
+            return self._feed(data)
+        if budget.bytes + len(data) > budget.limit:  # the hot path's one comparison
+            # Up to the cap exactly, then nothing more (SpoolWriter.keep_at_most).
+            self.spool.keep_at_most(budget.limit - budget.bytes)
+        kept = self._feed(data)
+        budget.bytes += kept
+        return kept
+
+    def _feed(self, data: bytes) -> int:
         kept = self.spool.write(data)
         self.summary.feed(data)
         self.live.feed(data)
@@ -154,10 +177,12 @@ class CommandOutput:
         telemetry: Telemetry | None = None,
         origin: str | None = None,
         on_truncated: Callable[[Stream], None] | None = None,
+        budget: SpoolBudget | None = None,
     ) -> CommandOutput:
         """Create the call's spool (its directory now; each stream's file with its first
         byte). OSError when it cannot be created — FileExistsError for a call that already
-        has one. `on_truncated(stream)`: called when a stream first drops bytes."""
+        has one. `on_truncated(stream)`: called when a stream first drops bytes. `budget`:
+        the kept bytes count against it, and it may stop them (SpoolBudget)."""
         streams: dict[Stream, StreamOutput] = {}
         being_written = spools_being_written(state_dir)
         if call_id in being_written:
@@ -172,6 +197,7 @@ class CommandOutput:
                         on_truncated=None if on_truncated is None else functools.partial(on_truncated, name),
                     ),
                     LiveOutput(limits.throttle_ms, limits.max_chunk_bytes, limits.buffer_bytes),
+                    budget=budget,
                 )
         except BaseException:
             for stream in streams.values():
@@ -247,6 +273,14 @@ class CommandOutput:
                 data = bytes(await pipe.receive_some(READ_CHUNK_BYTES))
                 if not data:
                     break
+                budget = stream.budget
+                # (A stream that already drops everything keeps nothing: no room to make.)
+                if budget is not None and budget.bytes + len(data) > budget.prune_at and not stream.spool.truncated:
+                    # Past the cap: first delete finished spools to make room for these
+                    # bytes, then keep them (or what fits, when the budget is full). The
+                    # reader waits for the prune, so nothing passes the cap while the disk
+                    # is scanned.
+                    await budget.prune(need=len(data))
                 kept = stream.feed(data)
                 if self._telemetry is not None:
                     self._telemetry.output_spooled(kept)
@@ -353,63 +387,109 @@ class _Kept:
         return call_id in self._named or call_id in self._being_written
 
 
+# SpoolBudget's limit while there is room: a write never compares above it.
+NO_LIMIT = sys.maxsize
+# A prune that makes room for a write frees this fraction of the cap more than the write
+# needs: a command printing on at the cap then costs a disk scan per cap/16 bytes, not one
+# per pipe read (each would delete just enough for that read).
+PRUNE_SLACK_DIVISOR = 16
+
+
 class SpoolBudget:
     """The bytes in all spools against `exec.spool_total_max_bytes`.
 
-    Tracked in memory so that the cap is checked without scanning the disk after every
-    command; the disk is scanned (and the oldest finished spools deleted) only when the
-    count passes the cap. One prune runs at a time: a request while one runs is folded into
-    it (it scans once more if the total is still over the cap), so two passes never race to
-    delete the same spool.
+    Tracked in memory so that the cap is checked without scanning the disk on every write:
+    measured at start and by every prune, and counted up by the commands' writers
+    (`StreamOutput.feed`) as they keep bytes. Held processes' holders (and a previous
+    daemon's command host) write their spools themselves: those bytes are only seen by the
+    next prune's scan.
+
+    When a write would take the total past the cap, the writer first waits for a prune,
+    which deletes the oldest finished spools until the write fits. One prune runs at a
+    time: a request while one runs is folded into it (it scans once more if the total is
+    still over the cap) and waits for it, so two passes never race to delete the same spool.
+
+    When a prune leaves no room for the write, what is left is only what it may not take
+    (running commands, held processes): the budget is *full*. The writers then keep nothing
+    past the cap (`limit`), dropping and counting the rest as past a stream's own cap, and
+    stop asking for prunes; the next prune (the shell asks for one whenever a command ends
+    while full: its spool becomes prunable) that leaves the total under the cap lifts the
+    limit again, for the streams that have not dropped anything.
     """
 
-    def __init__(self, state_dir: Path, cap_bytes: int) -> None:
+    def __init__(self, state_dir: Path, cap_bytes: int, keep: Callable[[], set[str]] = set) -> None:
         self.state_dir = state_dir
         self.cap_bytes = cap_bytes
         self.bytes = sum(u.bytes for u in spool_usage(state_dir))
+        # What a prune must keep besides the spools being written (`_BEING_WRITTEN`): the
+        # shell's running commands and the spools held processes' holders write.
+        self._keep = keep
+        # Writers keep bytes while the total stays at most `limit`, and ask for a prune past
+        # `prune_at`: one of them is the cap, the other NO_LIMIT, by whether it is full.
+        self.limit = NO_LIMIT
+        self.prune_at = cap_bytes
         self._being_written = spools_being_written(state_dir)
         self._pruning = False
+        self._idle = trio.Event()  # set when the running prune (and what it took over) ends
         # The `keep` of a request that arrived while a prune ran (the newest one wins: it
         # knows every command the older ones knew that still runs).
         self._requested: set[str] | None = None
-        self._added_while_pruning = 0
+        self._need = 0  # the most room a request folded into the running prune wants
+        self._bytes_at_scan = 0
 
-    def add(self, nbytes: int) -> bool:
-        """Count a finished command's spool; True when the total is now past the cap."""
-        self.bytes += nbytes
-        if self._pruning:
-            self._added_while_pruning += nbytes
+    @property
+    def full(self) -> bool:
+        """The last prune left the spools it may not take over the cap."""
+        return self.limit != NO_LIMIT
+
+    @property
+    def over_cap(self) -> bool:
         return self.bytes > self.cap_bytes
 
-    async def prune(self, keep: set[str]) -> None:
-        """Delete the oldest finished spools not in `keep` (commands still running, held
-        processes' spools) until all fit under the cap (`prune_finished_spools`), in a
-        worker thread; the count is then the disk's. Returns at once when a prune is already
-        running: that one takes this request over."""
-        self._requested = set(keep)
+    async def prune(self, keep: set[str] | None = None, *, need: int = 0) -> None:
+        """Delete the oldest finished spools not in `keep` (default: the budget's `keep()`)
+        until all fit under the cap with `need` bytes more (`prune_finished_spools`), in a
+        worker thread; the count is then the disk's, and the budget is `full` when the
+        `need` bytes do not fit. When a prune is already running, that one takes this
+        request over, and this waits for it."""
+        self._requested = set(self._keep() if keep is None else keep)
+        self._need = max(self._need, need)
         if self._pruning:
+            await self._idle.wait()
             return
         self._pruning = True
+        self._idle = trio.Event()
         try:
             with trio.CancelScope(shield=True):  # a half-done prune would only be redone
                 while self._requested is not None:
                     keep, self._requested = self._requested, None
-                    await self._prune_once(keep)
-                    if self.bytes <= self.cap_bytes:
+                    need, self._need = self._need, 0
+                    await self._prune_once(keep, need)
+                    if self.bytes + need <= self.cap_bytes:
                         self._requested = None
         finally:
             self._pruning = False
+            self._need = 0
+            self._idle.set()
 
-    async def _prune_once(self, keep: set[str]) -> None:
-        self._added_while_pruning = 0
+    async def _prune_once(self, keep: set[str], need: int) -> None:
+        self._bytes_at_scan = self.bytes
         kept = _Kept(keep, self._being_written)
+        slack = self.cap_bytes // PRUNE_SLACK_DIVISOR if need else 0
+        target = max(0, self.cap_bytes - need - slack)
         try:
-            removed, left = await trio.to_thread.run_sync(prune_finished_spools, self.state_dir, self.cap_bytes, kept)
+            removed, left = await trio.to_thread.run_sync(prune_finished_spools, self.state_dir, target, kept)
         except OSError:
             log.exception("spool.prune_failed")
             return
-        # Spools counted while the thread scanned may or may not be in what it saw: counted
+        # Bytes counted while the thread scanned may or may not be in what it saw: counted
         # again, which errs towards the next prune coming early, never towards the cap.
-        self.bytes = left + self._added_while_pruning
+        self.bytes = left + max(0, self.bytes - self._bytes_at_scan)
         if removed:
             log.info("spool.pruned", calls=len(removed), bytes_left=self.bytes)
+        was_full, full = self.full, self.bytes + need > self.cap_bytes
+        self.limit, self.prune_at = (self.cap_bytes, NO_LIMIT) if full else (NO_LIMIT, self.cap_bytes)
+        if full and not was_full:
+            log.warning("spool.full", bytes=self.bytes, cap_bytes=self.cap_bytes)
+        elif was_full and not full:
+            log.info("spool.room", bytes=self.bytes, cap_bytes=self.cap_bytes)

@@ -332,7 +332,7 @@ class ShellRuntime:
         # (finished ones are dropped: exec.* frames then answer from the spool).
         self.commands: dict[str, Command] = {}
         self._starting = 0  # spawns in progress: counted against max_processes too
-        self._spools = SpoolBudget(settings.state_dir, settings.spool_total_max_bytes)
+        self._spools = SpoolBudget(settings.state_dir, settings.spool_total_max_bytes, keep=self._spools_to_keep)
         self.stopping = False  # set by stop_all: no command starts after it
         # Completed commands' groups that background descendants keep alive: stop_all must
         # still find them, and each is forgotten once empty.
@@ -501,6 +501,7 @@ class ShellRuntime:
                 # The host must not append after bytes this writer dropped, should it take
                 # the stream over (the state file saying so may be refused by a full disk).
                 on_truncated=functools.partial(self.host.stream_truncated, call_id),
+                budget=self._spools,
             )
         except OSError as exc:
             raise start_failure(exc) from None
@@ -642,10 +643,17 @@ class ShellRuntime:
             log.exception("shell.tend_crashed", call_id=command.call_id)
         finally:
             self._forget_if_done(command)
-            if self._spools.add(command.output.spooled_bytes):
-                keep = {call_id for call_id, c in self.commands.items() if not c.output.finished.is_set()}
-                keep |= set(self.adopted)  # their hosts still write them
-                await self._spools.prune(keep | self.held_spools())
+            # Its bytes were counted as they were written; its spool can be pruned now, which
+            # may give the running commands' writers room again (SpoolBudget).
+            if self._spools.over_cap or self._spools.full:
+                await self._spools.prune()
+
+    def _spools_to_keep(self) -> set[str]:
+        """The spools a prune must not take: running commands', adopted ones' (their hosts
+        still write them) and held processes'."""
+        keep = {call_id for call_id, c in self.commands.items() if not c.output.finished.is_set()}
+        keep |= set(self.adopted)
+        return keep | self.held_spools()
 
     # --- exec.* frames -------------------------------------------------------------------
 

@@ -319,6 +319,12 @@ class SpoolWriter:
     def closed(self) -> bool:
         return self._closed
 
+    def keep_at_most(self, nbytes: int) -> None:
+        """Keep at most `nbytes` more bytes (the spools' total cap, docs/protocol.md §7.4.6):
+        past them the stream is truncated as at its own cap, and keeps nothing more, even if
+        room returns later: a byte kept after a dropped one would sit at that one's offset."""
+        self._cap = min(self._cap, self._size + max(0, nbytes))
+
     def _open(self) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
         try:
