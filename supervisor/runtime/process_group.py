@@ -58,6 +58,22 @@ class LeaderExit(NamedTuple):
     timed_out: bool  # the timeout fired and the group was terminated
 
 
+def signal_group(cgroup: CommandCgroup | None, pgid: int, signum: int) -> bool:
+    """Signal a command: every member of its cgroup when it has one (which holds the group
+    and whatever left it with setsid), else its process group. False when none is left."""
+    if cgroup is not None:
+        try:
+            return cgroup.signal(signum) > 0
+        except OSError:
+            pass  # the cgroup unreadable (removed under us): the group is what is known
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        # PermissionError: the pgid was reused by someone else's process; not ours.
+        return False
+
+
 class ProcessGroup:
     """A spawned process leading its own session and process group (pgid == its pid)."""
 
@@ -106,17 +122,7 @@ class ProcessGroup:
     def send_signal(self, signum: int) -> bool:
         """Signal the whole group — with a cgroup, every member of the cgroup, which holds
         the group and whatever left it with setsid. False when no process of it is left."""
-        if self.cgroup is not None:
-            try:
-                return self.cgroup.signal(signum) > 0
-            except OSError:
-                pass  # the cgroup unreadable (removed under us): the group is what is known
-        try:
-            os.killpg(self.pgid, signum)
-            return True
-        except (ProcessLookupError, PermissionError):
-            # PermissionError: the pgid was reused by someone else's process; not ours.
-            return False
+        return signal_group(self.cgroup, self.pgid, signum)
 
     def kill(self) -> None:
         """SIGKILL everything: by the cgroup (race-free) when there is one, else the group."""

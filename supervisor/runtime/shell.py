@@ -51,7 +51,7 @@ from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
-from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup
+from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup, signal_group
 from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
     read_origin,
@@ -291,17 +291,14 @@ class AdoptedGroup:
         return stat is not None and stat.start_ticks == self.start_ticks
 
     def send_signal(self, signum: int) -> bool:
-        if self.cgroup is not None:
-            try:
-                return self.cgroup.signal(signum) > 0
-            except OSError:
-                pass
-        if not self.leader_is_ours():
-            return False
+        if self.leader_is_ours():
+            return signal_group(self.cgroup, self.pgid, signum)
+        # The pgid is signalled only while the leader is the recorded process: after a
+        # restart nothing else tells that the number still names this command's group.
+        # What outlived the leader is still in its cgroup.
         try:
-            os.killpg(self.pgid, signum)
-            return True
-        except (ProcessLookupError, PermissionError):
+            return self.cgroup is not None and self.cgroup.signal(signum) > 0
+        except OSError:
             return False
 
     def kill(self) -> None:
