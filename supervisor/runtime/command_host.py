@@ -196,8 +196,10 @@ class Host:
         try:
             pid = holder.spawn(spec, stdio)
         except (holder.SpawnError, OSError) as exc:
-            # OSError: the fork itself (EAGAIN, ENOMEM); spawn closed the child's ends.
-            for fd in stdio.outputs.values():
+            # SpawnError: the child failed (spawn closed the child's ends); OSError: the fork
+            # itself (EAGAIN, ENOMEM), which left them open.
+            ends = [] if isinstance(exc, holder.SpawnError) else [stdio.child_stdout, stdio.child_stderr]
+            for fd in [*stdio.outputs.values(), *ends]:
                 os.close(fd)
             stage, code = (exc.stage, exc.errno) if isinstance(exc, holder.SpawnError) else ("fork", exc.errno or 0)
             self._send({"op": "failed", "id": call_id, "stage": stage, "errno": code, "message": str(exc)})

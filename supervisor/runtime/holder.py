@@ -237,7 +237,14 @@ def _child(spec: HolderSpec, stdio: Stdio, report: int) -> NoReturn:
 def spawn(spec: HolderSpec, stdio: Stdio) -> int:
     """Fork and exec the process; its pid once exec succeeded, else SpawnError (reaped)."""
     report_r, report_w = os.pipe()  # close-on-exec: EOF means exec succeeded
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        # No fork (EAGAIN at the process limit, ENOMEM): nothing started; the child's ends
+        # are the caller's to close with its own.
+        os.close(report_r)
+        os.close(report_w)
+        raise
     if pid == 0:
         _child(spec, stdio, report_w)
     os.close(report_w)
