@@ -73,3 +73,42 @@ async def test_the_host_takes_over_when_the_daemons_end_closes(tmp_path):
     record = read_exit(directory)
     assert record is not None and record.exit_code == 5 and record.timed_out is False
     assert (directory / "stdout").read_bytes() == b"early\nlate\n"
+
+
+async def test_a_bug_while_completing_an_adopted_call_does_not_stop_the_daemon(tmp_path, monkeypatch):
+    """The adoption task runs in the daemon's nursery: anything it raises is logged, the
+    command is released, and the call stays pending for the next start."""
+    from sandbox_supervisor.daemon.runtime import adoption
+    from sandbox_supervisor.daemon.runtime.recovery import Adopted
+    from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
+    from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
+    from sandbox_supervisor.daemon.state.journal import Journal
+    from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
+
+    from sandbox_supervisor.daemon.runtime.shell import ShellSettings
+
+    store = StateStore.open(tmp_path / "state")
+    try:
+        record = CallRecord(
+            space="", key="k", tool_name="execute_shell_command", digest="d", call_id="gone-call",
+            state="pending", result_seq=None, result_frame=None, result_view=None, intent_json=None,
+        )
+
+        def broken(*_args: object) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(adoption, "recover_one", broken)
+        with trio.fail_after(DEADLINE_S):
+            async with trio.open_nursery() as nursery:
+                settings = ShellSettings(
+                    shell="/bin/sh", max_processes=4, kill_grace_s=1.0, throttle_ms=10, max_chunk_bytes=4096,
+                    buffer_bytes=65536, spool_max_bytes=1 << 20, spool_total_max_bytes=1 << 30, base_env={},
+                    state_dir=tmp_path / "state",
+                )
+                shell = ShellRuntime(settings, store, Journal(store), nursery)
+                # pid 2**22 + 1 is beyond any pid: its command is gone at once.
+                adoption.adopt(Adopted(record, 2**22 + 1, 2**22 + 1, 1), RecoveryEnv(store, tmp_path / "state"), Journal(store), shell)
+                assert "gone-call" in shell.adopted
+            assert shell.adopted == {}  # released, and the nursery ended without an error
+    finally:
+        store.close()

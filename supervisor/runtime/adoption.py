@@ -73,5 +73,9 @@ async def finish_adopted(
                 log.warning("recovery.adopted_not_journaled", call_id=record.call_id)
                 await trio.sleep(COMPLETE_RETRY_S)
         log.info("recovery.adopted_completed", call_id=record.call_id)
+    except Exception:
+        # This task lives in the daemon's nursery: a bug here must not stop the daemon. The
+        # call stays pending, and the next start resolves it.
+        log.exception("recovery.adopted_failed", call_id=record.call_id)
     finally:
         shell.release_adopted(record.call_id)
