@@ -37,13 +37,13 @@ from sandbox_supervisor.daemon.runtime.cgroups import (
 )
 from sandbox_supervisor.daemon.runtime.processes import read_stat
 from sandbox_supervisor.daemon.runtime.recovery import kill_leftover_groups
-from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
+from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
 from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
 from sandbox_supervisor.testing.client import http_request
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
-from shell_support import shell_call
+from shell_support import rig_settings, shell_call
 
 DEADLINE_S = 10
 POLL_S = 0.02
@@ -245,19 +245,7 @@ def store(tmp_path: Path) -> Iterator[StateStore]:
 async def runtime(store: StateStore, tmp_path: Path, groups: cgroups.Cgroups | None) -> AsyncIterator[Rig]:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    settings = ShellSettings(
-        shell="/bin/sh",
-        max_processes=4,
-        kill_grace_s=GRACE_S,
-        throttle_ms=10,
-        max_chunk_bytes=4096,
-        buffer_bytes=65536,
-        spool_max_bytes=1 << 20,
-        spool_total_max_bytes=1 << 30,
-        base_env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
-        state_dir=store.path.parent,
-        cgroups=groups,
-    )
+    settings = rig_settings(store.path.parent, kill_grace_s=GRACE_S, cgroups=groups)
     async with trio.open_nursery() as nursery:
         shell = ShellRuntime(settings, store, Journal(store), nursery)
         try:

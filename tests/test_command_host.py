@@ -44,6 +44,18 @@ async def started_command(session, client, command: str, key: str, **params) -> 
     return call_id, started["body"]["pid"]
 
 
+async def kill_daemon(process) -> None:
+    """kill -9 of the daemon, as a crash or the OOM killer ends it."""
+    process.send_signal(signal.SIGKILL)
+    await process.wait()
+
+
+async def start_again(process, client) -> None:
+    """Start the daemon again on its state, as systemd would, and point the client at it."""
+    running = await process.start()
+    client.endpoint = running.tcp
+
+
 async def wait_gone(pid: int) -> None:
     with trio.fail_after(DEADLINE_S):
         while (stat := read_stat(pid)) is not None and stat.state != "Z":
@@ -66,15 +78,13 @@ async def test_a_command_that_ends_while_no_daemon_runs_gets_its_real_result(tmp
             call_id, pid = await started_command(session, client, "echo before; sleep 0.5; echo after; exit 3", "ends")
             host = read_stat(pid).ppid
             assert is_command_host(host)  # the command's parent is the host, not the daemon
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
+        await kill_daemon(process)
         # No daemon runs: the command prints on (no SIGPIPE: the host holds its pipes) and
         # ends; the host records how, then exits.
         await wait_file(spool_dir(layout.state_dir, call_id) / EXIT_FILE)
         await wait_gone(host)
 
-        running = await process.start()
-        client.endpoint = running.tcp
+        await start_again(process, client)
         async with client.connect() as session:
             await session.bootstrap(cwd=cwd)
             result = await session.result(call_id, timeout=DEADLINE_S)
@@ -105,11 +115,9 @@ async def test_a_command_still_running_at_restart_is_answered_when_it_ends(tmp_p
         async with client.connect() as session:
             await session.bootstrap(cwd=cwd)
             call_id, pid = await started_command(session, client, command, "runs-on")
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
+        await kill_daemon(process)
 
-        running = await process.start()
-        client.endpoint = running.tcp
+        await start_again(process, client)
         async with client.connect() as session:
             await session.bootstrap(cwd=cwd)
             stat = read_stat(pid)
@@ -135,13 +143,11 @@ async def test_a_command_that_times_out_while_no_daemon_runs_is_reported_timed_o
         async with client.connect() as session:
             await session.bootstrap(cwd=cwd)
             call_id, _pid = await started_command(session, client, "echo before; sleep 30", "late", timeout_ms=1000)
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
+        await kill_daemon(process)
         # The host applies the call's timeout itself: SIGTERM to the group.
         await wait_file(spool_dir(layout.state_dir, call_id) / EXIT_FILE)
 
-        running = await process.start()
-        client.endpoint = running.tcp
+        await start_again(process, client)
         async with client.connect() as session:
             await session.bootstrap(cwd=cwd)
             result = await session.result(call_id, timeout=DEADLINE_S)

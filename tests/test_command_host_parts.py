@@ -85,7 +85,7 @@ async def test_a_bug_while_completing_an_adopted_call_does_not_stop_the_daemon(t
     from sandbox_supervisor.daemon.state.journal import Journal
     from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
 
-    from sandbox_supervisor.daemon.runtime.shell import ShellSettings
+    from shell_support import rig_settings
 
     store = StateStore.open(tmp_path / "state")
     try:
@@ -100,12 +100,7 @@ async def test_a_bug_while_completing_an_adopted_call_does_not_stop_the_daemon(t
         monkeypatch.setattr(adoption, "recover_one", broken)
         with trio.fail_after(DEADLINE_S):
             async with trio.open_nursery() as nursery:
-                settings = ShellSettings(
-                    shell="/bin/sh", max_processes=4, kill_grace_s=1.0, throttle_ms=10, max_chunk_bytes=4096,
-                    buffer_bytes=65536, spool_max_bytes=1 << 20, spool_total_max_bytes=1 << 30, base_env={},
-                    state_dir=tmp_path / "state",
-                )
-                shell = ShellRuntime(settings, store, Journal(store), nursery)
+                shell = ShellRuntime(rig_settings(tmp_path / "state"), store, Journal(store), nursery)
                 # pid 2**22 + 1 is beyond any pid: its command is gone at once.
                 adoption.adopt(Adopted(record, 2**22 + 1, 2**22 + 1, 1), RecoveryEnv(store, tmp_path / "state"), Journal(store), shell)
                 assert "gone-call" in shell.adopted

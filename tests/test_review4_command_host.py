@@ -14,7 +14,7 @@ from sandbox_supervisor.daemon.runtime.processes import read_stat
 from sandbox_supervisor.daemon.runtime.recovery import is_command_host
 from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
-from tests.test_command_host import DEADLINE_S, started_command, wait_gone
+from tests.test_command_host import DEADLINE_S, kill_daemon, start_again, started_command, wait_gone
 
 
 # A stop ends running commands within exec.kill_grace_ms (2 s) and the stop's own budget.
@@ -58,10 +58,8 @@ async def test_review4_exec_signal_reaches_an_adopted_command(tmp_path, authorit
             async with client.connect() as session:
                 await session.bootstrap(cwd=cwd)
                 call_id, pid = await started_command(session, client, "echo before; sleep 30", "adopted")
-            process.send_signal(signal.SIGKILL)
-            await process.wait()
-            running = await process.start()
-            client.endpoint = running.tcp
+            await kill_daemon(process)
+            await start_again(process, client)
             async with client.connect() as session:
                 await session.bootstrap(cwd=cwd)
                 assert read_stat(pid) is not None  # adopted, not killed
@@ -87,10 +85,8 @@ async def test_review4_a_stop_ends_an_adopted_command(tmp_path, authority):
             async with client.connect() as session:
                 await session.bootstrap(cwd=cwd)
                 _call_id, pid = await started_command(session, client, "echo before; sleep 30", "adopted")
-            process.send_signal(signal.SIGKILL)
-            await process.wait()
-            running = await process.start()
-            client.endpoint = running.tcp
+            await kill_daemon(process)
+            await start_again(process, client)
             assert read_stat(pid) is not None  # adopted, not killed
             await process.stop()
         # The stop's SIGTERM, SIGKILL after kill_grace_ms (2 s), is long over by then.
@@ -126,8 +122,7 @@ async def test_review4_the_host_never_appends_after_a_gap_in_the_spool(tmp_path,
                 await session.bootstrap(cwd=str(layout.workspace))
                 call_id, _pid = await started_command(session, client, command, "gap")
             filler.unlink()  # space is back
-            process.send_signal(signal.SIGKILL)
-            await process.wait()
+            await kill_daemon(process)
             marker.touch()  # the command prints on while no daemon runs; its host spools it
             await wait_file(spool_dir(layout.state_dir, call_id) / EXIT_FILE)
             kept = stream_path(layout.state_dir, call_id, "stdout").read_bytes()
@@ -149,10 +144,8 @@ async def test_review4_a_prune_keeps_the_spool_of_an_adopted_command(tmp_path, a
             await session.receive_until(
                 lambda f: f["kind"] == "exec.started" and f["body"]["call_id"] == call_id, timeout=DEADLINE_S
             )
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
-        running = await process.start()
-        client.endpoint = running.tcp
+        await kill_daemon(process)
+        await start_again(process, client)
         async with client.connect() as session:
             await session.bootstrap(cwd=cwd)
             # Another command passes the spool cap: the oldest finished spools are pruned.

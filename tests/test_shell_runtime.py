@@ -17,10 +17,10 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.runtime.command_output import StreamOutput
 from sandbox_supervisor.daemon.runtime.failures import ToolFailure
-from sandbox_supervisor.daemon.runtime.shell import ShellRuntime, ShellSettings
+from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
-from shell_support import shell_call
+from shell_support import rig_settings, shell_call
 
 DEADLINE_S = 10
 POLL_S = 0.02
@@ -68,18 +68,7 @@ def store(tmp_path: Path) -> Iterator[StateStore]:
 async def runtime(store: StateStore, tmp_path: Path, kill_grace_s: float = 2.0) -> AsyncIterator[Rig]:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    settings = ShellSettings(
-        shell="/bin/sh",
-        max_processes=4,
-        kill_grace_s=kill_grace_s,
-        throttle_ms=10,
-        max_chunk_bytes=4096,
-        buffer_bytes=65536,
-        spool_max_bytes=1 << 20,
-        spool_total_max_bytes=1 << 30,
-        base_env={"PATH": "/usr/local/bin:/usr/bin:/bin"},
-        state_dir=store.path.parent,
-    )
+    settings = rig_settings(store.path.parent, kill_grace_s=kill_grace_s)
     journal = Journal(store)
     telemetry = Counts()
     with trio.fail_after(DEADLINE_S):
