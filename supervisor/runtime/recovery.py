@@ -41,11 +41,10 @@ EXIT_RECORD_WAIT_S = 1.0
 EXIT_RECORD_POLL_S = 0.02
 
 
-def hosted_commands(store: StateStore, state_dir: Path) -> dict[str, tuple[int, int, int]]:
+def hosted_commands(store: StateStore, state_dir: Path, pending: Collection[str]) -> dict[str, tuple[int, int, int]]:
     """The recorded commands that still run under a command host (command_host.py) that
     outlived the previous daemon and has not yet recorded their end: left running, and
     reported once they end (ShellRuntime.adopt). By call_id: (pid, pgid, start_ticks)."""
-    pending = {record.call_id for record in store.pending_calls() if record.tool_name == SHELL_TOOL}
     running = {}
     for call_id, pid, pgid, start in store.recorded_processes():
         if call_id not in pending or (spool_dir(state_dir, call_id) / EXIT_FILE).exists():
@@ -71,13 +70,14 @@ def is_command_host(pid: int) -> bool:
     return HOST_MODULE.encode() in argv
 
 
-def await_exit_records(store: StateStore, state_dir: Path, timeout_s: float = EXIT_RECORD_WAIT_S) -> None:
+def await_exit_records(
+    store: StateStore, state_dir: Path, pending: Collection[str], timeout_s: float = EXIT_RECORD_WAIT_S
+) -> None:
     """Give a command host that is still recording the end of a command (its pipes were
     open: it waits COMPLETION_GRACE_S after the exit) the moment it needs, so the call is
     reported with its real result rather than interrupted. Only pending shell calls whose
     process is gone and whose spool lacks exit.json are waited for, and only while some
     command host runs at all."""
-    pending = {record.call_id for record in store.pending_calls() if record.tool_name == SHELL_TOOL}
     waiting = [
         call_id
         for call_id, _pid, _pgid, _start in store.recorded_processes()
@@ -190,8 +190,10 @@ def recover_pending_calls(
     recovered patches resolve from (a private one when None, closed at the end). `cgroups`:
     the daemon's, whose leftover command cgroups are killed and removed too."""
     started_at = time.time()
-    await_exit_records(store, state_dir)
-    running = hosted_commands(store, state_dir)
+    # The pending shell calls: those a command host may still be recording, or running.
+    shell_calls = {record.call_id for record in store.pending_calls() if record.tool_name == SHELL_TOOL}
+    await_exit_records(store, state_dir, shell_calls)
+    running = hosted_commands(store, state_dir, shell_calls)
     kill_leftover_groups(store, state_dir, cgroups, keep=running)
     remove_spool_leftovers(store, state_dir, started_at, keep=running)
     own_roots = roots is None
