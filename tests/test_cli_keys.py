@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import os
 import stat
 import subprocess
@@ -141,14 +142,29 @@ def test_minted_token_verifies_with_the_generated_jwks(
     assert decoded.claims["iss"] == "https://cp.test"
 
 
-def test_minted_token_is_accepted_by_protocol_load_jwks(
+def test_minted_token_is_accepted_by_the_daemons_verifier(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from sandbox_supervisor.protocol import authority  # the daemon's verifier
+    from sandbox_supervisor.protocol.headers import RoutingHeaders
+
     key_path, jwks_path = generate(tmp_path)
     keys = authority.load_jwks(jwks_path.read_bytes())
-    token = mint(capsys, key_path, {"iss": "x"})
-    assert jwt.decode(token, keys, algorithms=["ES256"]).claims["iss"] == "x"
+    headers = RoutingHeaders("sb-1", "session-1", "sb-1", "attempt-1", 1, 0, None)
+    claims = {
+        "iss": "x",
+        "aud": authority.DEFAULT_AUDIENCE,
+        "sandbox_id": "sb-1",
+        "session_id": "session-1",
+        "session_sandbox_id": "sb-1",
+        "connection_generation": 1,
+        "connection_attempt_id": "attempt-1",
+        "event_ack_floor": 0,
+        "scope": "session:control",
+    }
+    token = mint(capsys, key_path, claims)
+    settings = authority.VerifierSettings(issuer="x")
+    assert authority.verify_assertion(token, keys, settings, headers, time.time()).iss == "x"
 
 
 def test_mint_fills_iat_exp_jti_and_keeps_given_ones(

@@ -11,10 +11,9 @@ import os
 from pathlib import Path
 
 import structlog
-from joserfc.jwk import KeySet
 from structlog.typing import FilteringBoundLogger
 
-from sandbox_supervisor.protocol.authority import JwksError, load_jwks
+from sandbox_supervisor.protocol.authority import JwksError, KeySet, load_jwks
 
 log: FilteringBoundLogger = structlog.get_logger("supervisor.keyring")
 

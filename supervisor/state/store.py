@@ -80,6 +80,8 @@ META_CALL_RESULT_BYTES = "call_result_bytes"
 # The instance id instance.json names (state/integrity.py): which database the directory's
 # evidence belongs to. Written once, when the state is first initialised.
 META_INSTANCE_ID = "instance_id"
+# A row that only ever exists inside the transaction that starts the WAL (StateStore._start_wal).
+_META_WAL_START = "wal_start"
 # sqlite's result codes (and their extended forms) for a file that is not, or no longer, a
 # sound database.
 _CORRUPTION_CODES = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
@@ -530,10 +532,21 @@ class StateStore:
                 # and never makes it refuse this sound database; the next commit tries again.
                 store._high_water = None
                 store._high_water_dir = state_dir
+            store._start_wal()
         except BaseException:
             conn.close()
             raise
         return store
+
+    def _start_wal(self) -> None:
+        """Commit one page now. The first commit into a new or just-reset WAL writes and fsyncs
+        the WAL's header (synchronous=NORMAL syncs it once per WAL start): paid here, at start,
+        instead of by the first client's upgrade, whose fence and jti commit before the 101.
+        A row added and removed again leaves the page as it was, but dirty (sqlite skips an
+        update that rewrites a row unchanged), so the commit writes it."""
+        with self._transaction() as conn:
+            conn.execute("INSERT INTO meta (key, value) VALUES (?, '')", (_META_WAL_START,))
+            conn.execute("DELETE FROM meta WHERE key = ?", (_META_WAL_START,))
 
     def _check_instance(self, state_dir: Path, marker: Marker | None, high_water: int) -> int:
         """Compare the database with instance.json and the high-water mark (StateRefused when
