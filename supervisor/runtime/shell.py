@@ -599,8 +599,9 @@ class ShellRuntime:
     async def _tell_host(self) -> None:
         """Send the host its `done` after the call's result: the result's commit follows
         `_complete` without a checkpoint, and its send is woken by that commit, so it runs
-        in the scheduler pass before this task's second step."""
-        await trio.lowlevel.checkpoint()
+        in the scheduler pass before this task's second step. Shielded: a stop that cancels
+        the runtime still tells the host."""
+        await trio.lowlevel.cancel_shielded_checkpoint()
         self.host.flush()
 
     def _forget_if_done(self, command: Command) -> None:
