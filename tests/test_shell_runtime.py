@@ -185,3 +185,35 @@ async def test_a_bug_in_the_output_tasks_costs_one_command_not_the_runtime(
     crashes = [line for line in log_lines() if line["event"] == "shell.tend_crashed"]
     assert len(crashes) == 1 and crashes[0]["level"] == "error"
     assert "RuntimeError: bug in the output pipeline" in crashes[0]["exception"]  # the traceback
+
+
+async def test_the_host_hears_done_after_the_call_returned_its_result(store, tmp_path, monkeypatch):
+    """The `done` that lets the command host forget a command is queued while the call
+    returns its result (whose commit and send follow without a checkpoint; a send to the
+    host wakes it, and it may take the daemon's core), and sent right after: the host then
+    forgets the command and records no exit for it when the link closes."""
+    from sandbox_supervisor.daemon.runtime.holder_protocol import EXIT_FILE
+    from sandbox_supervisor.daemon.runtime.spool import spool_dir
+
+    flushed: list[list[bytes]] = []
+    async with runtime(store, tmp_path) as rig:
+        host = rig.shell.host
+        flush = host._flush_unsent
+
+        def recording_flush() -> None:
+            flushed.append(list(host._unsent))
+            flush()
+
+        monkeypatch.setattr(host, "_flush_unsent", recording_flush)
+        running = rig.running_call("true")
+        result = await rig.shell.execute(running)
+        assert result["exit_code"] == 0
+        assert not [batch for batch in flushed if batch]  # nothing sent before the result
+        assert [b'"done"' in message for message in host._unsent] == [True]
+        with trio.fail_after(DEADLINE_S):
+            while host._unsent:
+                await trio.sleep(0)
+        assert [b'"done"' in message for batch in flushed for message in batch] == [True]
+    # The link is closed (the runtime's exit): a host that had not heard `done` would have
+    # recorded the exit for a next daemon.
+    assert not (spool_dir(store.path.parent, running.call.call_id) / EXIT_FILE).exists()

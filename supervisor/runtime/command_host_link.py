@@ -172,10 +172,18 @@ class CommandHost:
         self._flush_unsent()
 
     def done(self, call_id: str) -> None:
-        """The call completed: the host forgets the command (and records no exit for it)."""
+        """The call completed: the host forgets the command (and records no exit for it).
+        Queued: sent by `flush`, which the shell calls once the call's result is on its way
+        (a send here wakes the host, which can take the daemon's core just before the
+        commit and the send the agent waits for), or with the next spawn. Until the host
+        hears it, a daemon that dies leaves an exit.json the next one never reads (the call
+        is no longer pending)."""
         if self._processes.pop(call_id, None) is None or self._socket is None:
             return
         self._unsent.append(json.dumps({"op": "done", "id": call_id}).encode())
+
+    def flush(self) -> None:
+        """Send what `done` queued (what the socket has room for)."""
         self._flush_unsent()
 
     def _flush_unsent(self) -> None:

@@ -5,8 +5,11 @@ child inherits that value at fork, so without a correction a runaway test suite 
 started would be shielded too, and the kernel would kill something else first. Commands
 therefore raise their own value to COMMAND_OOM_SCORE_ADJ before they exec the agent's command,
 the way E2B's envd does for the processes it starts: set in the child, before exec, so no
-grandchild can be forked with the protected value in between (`holder._child`, which both the
-holders and the command host use to spawn; HolderSpec.oom_score_adj).
+grandchild can be forked with the protected value in between (`holder._child`, the holders'
+spawn; HolderSpec.oom_score_adj). The command host gets the same without code in the child:
+it sets the command's value on itself around the spawn, so the child inherits it at fork
+(`command_host.Spawner`), and restores its own right after: lowering it back to the value it
+inherited is allowed (below).
 
 Raising one's own oom_score_adj needs no privilege. (Lowering it again down to the inherited
 minimum is also allowed, so this keeps accidents off the daemon; it is not a defence against

@@ -115,9 +115,11 @@ class ProcessGroup:
         return {"stdout": stdout, "stderr": stderr}
 
     def start_ticks(self) -> int | None:
-        """The leader's start time (clock ticks since boot), None once it is reaped: with the
-        pid it identifies the group across a daemon restart (processes.kill_leftover_group)."""
-        return processes.start_ticks(self.pid)
+        """The leader's start time (clock ticks since boot): with the pid it identifies the
+        group across a daemon restart (processes.kill_leftover_group). The host read it
+        before it answered the spawn, while the process could not have been reaped (it is
+        the parent); read here only when the host could not (None once reaped)."""
+        return self.process.start_ticks or processes.start_ticks(self.pid)
 
     def send_signal(self, signum: int) -> bool:
         """Signal the whole group — with a cgroup, every member of the cgroup, which holds

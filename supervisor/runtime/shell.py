@@ -588,9 +588,21 @@ class ShellRuntime:
         # The result is journaled right after this (or the call was abandoned): the host
         # need not record the command's end for a next daemon.
         self.host.done(command.call_id)
+        try:
+            self.nursery.start_soon(self._tell_host)
+        except RuntimeError:  # the nursery is closing (a stop): tell it now
+            self.host.flush()
         command.output.complete()
         command.completed.set()
         self._forget_if_done(command)
+
+    async def _tell_host(self) -> None:
+        """Send the host its `done` after the call's result: the result's commit follows
+        `_complete` without a checkpoint, and its send is woken by that commit, so it runs
+        in the scheduler pass before this task's second step. Shielded: a stop that cancels
+        the runtime still tells the host."""
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        self.host.flush()
 
     def _forget_if_done(self, command: Command) -> None:
         """Drop a command from memory once its call completed, its output tasks ended and
