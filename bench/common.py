@@ -65,22 +65,41 @@ def latency(samples: list[float]) -> str:
     )
 
 
+class Skipped(Exception):
+    """A benchmark that cannot run on this install (its peer is not installed). run.py prints
+    `BENCH <name> SKIP: <reason>` and goes on; a skip is not an error."""
+
+
 @dataclass
 class Result:
     name: str
     measured: str  # what the daemon did, e.g. "median 2.4 ms p99 3.1 ms (n=200)"
-    floor: str  # the same for the floor
+    floor: str  # the same for the floor (or for the peer, see floor_label)
     ratio: float  # daemon / floor (times), or daemon rate / floor rate (rates)
     target: str  # e.g. "<= 2.5x"
     passed: bool
     note: str = ""
+    # What the verdict judges, when it is not the ratio (an absolute target: idle_rss's MiB),
+    # and its unit; run.py takes the median of this over repeated runs.
+    figure: float | None = None
+    figure_unit: str = "x"
+    floor_label: str = "floor"  # "SWE-ReX" for the rows measured against the peer
 
-    def line(self) -> str:
+    @property
+    def judged(self) -> float:
+        return self.ratio if self.figure is None else self.figure
+
+    def format_figure(self, value: float) -> str:
+        return f"{value:.2f}x" if self.figure_unit == "x" else f"{value:.1f} {self.figure_unit}"
+
+    def line(self, label: str = "BENCH", repeats: str = "") -> str:
         verdict = "PASS" if self.passed else "MISS"
         text = (
-            f"BENCH {self.name:<17} {self.measured} | floor {self.floor} | "
+            f"{label} {self.name:<17} {self.measured} | {self.floor_label} {self.floor} | "
             f"ratio {self.ratio:.2f}x | target {self.target} | {verdict}"
         )
+        if repeats:
+            text += f" | {repeats}"
         return f"{text} | {self.note}" if self.note else text
 
     def as_dict(self) -> dict[str, Any]:
@@ -88,7 +107,10 @@ class Result:
             "name": self.name,
             "measured": self.measured,
             "floor": self.floor,
+            "floor_label": self.floor_label,
             "ratio": self.ratio,
+            "figure": self.judged,
+            "figure_unit": self.figure_unit,
             "target": self.target,
             "passed": self.passed,
             "note": self.note,
@@ -116,8 +138,8 @@ class CpuMeter:
     (excluding child processes such as the shells it spawns).
     """
 
-    def __init__(self, daemon_pid: int, floor_pid: int | None = None) -> None:
-        self.pids = {"daemon": daemon_pid, "floor": floor_pid}
+    def __init__(self, daemon_pid: int, floor_pid: int | None = None, floor_name: str = "floor") -> None:
+        self.pids = {"daemon": daemon_pid, floor_name: floor_pid}
         self.start = {name: cpu_seconds(pid) for name, pid in self.pids.items() if pid is not None}
         self.used: dict[str, float] = {}
 
@@ -186,13 +208,15 @@ def echo_text(frame: dict) -> str:
 
 
 @asynccontextmanager
-async def daemon(root: Path, **settings: dict[str, Any]) -> AsyncIterator[tuple[DaemonProcess, RunningDaemon]]:
+async def daemon(
+    root: Path, *, env: dict[str, str] | None = None, **settings: dict[str, Any]
+) -> AsyncIterator[tuple[DaemonProcess, RunningDaemon]]:
     """`python -m sandbox_supervisor.daemon serve` on fresh directories under `root` (as in production:
     its own process and event loop); SIGTERM on leaving (SIGKILL if that times out). On a
-    failure the end of its log goes to stderr."""
+    failure the end of its log goes to stderr. `env` is added to the daemon's environment."""
     layout = make_layout(root, **settings)
     try:
-        async with running_daemon(layout) as process:
+        async with running_daemon(layout, env=env) as process:
             yield process, process.running
     except BaseException:
         log = layout.log_file.read_text(errors="replace") if layout.log_file.exists() else ""

@@ -20,7 +20,7 @@ from bench.common import CpuMeter, Mode, Result, daemon, echo, echo_text, floor_
 from sandbox_supervisor.testing.client import default_bootstrap_body
 
 NAME = "connect_bootstrap"
-TARGET = 2.5
+TARGET = 1.5
 
 
 async def run(mode: Mode, workdir: Path) -> Result:

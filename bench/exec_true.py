@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.common import CpuMeter, Driver, Mode, Result, daemon, floor_server, key, now, require_ok, time_ratio_result, workspace
 
 NAME = "exec_true"
-TARGET = 1.5
+TARGET = 1.3
 
 
 async def run(mode: Mode, workdir: Path) -> Result:

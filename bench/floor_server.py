@@ -6,12 +6,13 @@ WebSocket settings (64 KiB receive buffer, 8-message queue), prints its port on 
 exits when its stdin closes. Every message is text; its first character is the operation:
 
     E<anything>   echo the whole message back (one round trip)
-    R             `trio.run_process(["bash", "-c", "true"])`, then answer "R"
+    R<anything>   `trio.run_process(["/bin/bash", "-c", "true"])`, then echo the whole message
+                  back: a spawn plus one WebSocket echo (exec_true's floor)
     W<path>       edit one byte of <path> in memory and write it atomically (temporary file,
                   write, fsync, close, rename, fsync of the directory), then answer "W"
     P<json>       {"db": path, "after": seq}: read `seq, frame_json` of the events table in
                   seq order with one SELECT and send every frame_json as its own message
-    S<command>    `trio.run_process(["bash", "-c", command])` with its stdout captured, then
+    S<command>    `trio.run_process(["/bin/bash", "-c", command])` with its stdout captured, then
                   answer with that output: a process spawned and its first output read
     T<line>       write <line> to `cat` on a terminal (started on first use) and answer with
                   what the terminal gives back once it holds two line ends (the terminal's
@@ -35,6 +36,8 @@ RECEIVE_BUFFER_BYTES = 64 * 1024  # as the daemon (supervisor/server.py)
 MESSAGE_QUEUE = 8  # as the daemon
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 FETCH_ROWS = 512
+BASH = "/bin/bash"  # by absolute path, as the daemon's shell runs: no PATH search in the floor
+BASH_TRUE = [BASH, "-c", "true"]
 
 
 class Floor:
@@ -68,8 +71,8 @@ class Floor:
             if op == "E":
                 await ws.send_message(message)
             elif op == "R":
-                await trio.run_process(["bash", "-c", "true"])
-                await ws.send_message("R")
+                await trio.run_process(BASH_TRUE)
+                await ws.send_message(message)
             elif op == "W":
                 self.atomic_edit(message[1:])
                 await ws.send_message("W")
@@ -77,7 +80,7 @@ class Floor:
                 spec = json.loads(message[1:])
                 await self.replay(ws, spec["db"], spec["after"])
             elif op == "S":
-                done = await trio.run_process(["bash", "-c", message[1:]], capture_stdout=True)
+                done = await trio.run_process([BASH, "-c", message[1:]], capture_stdout=True)
                 await ws.send_message(done.stdout.decode(errors="replace"))
             elif op == "T":
                 await ws.send_message(await self.terminal_echo(message[1:].encode()))

@@ -11,11 +11,19 @@ backend is a separate extension module), so the floor imports the names the daem
 imports from them (BaseModel/TypeAdapter, hazmat EC, joserfc.jws/jwk); the figure for bare
 top-level imports is reported in the note as well.
 
-The target is absolute (<= 60 MiB); the ratio daemon / floor and the difference are reported.
+The target is absolute (<= 55 MiB); the ratio daemon / floor and the difference are reported.
+
+`rich` is hidden from both when it is installed: the `bench` extra brings it (SWE-ReX needs
+it), and structlog imports it whenever it can (for its development console renderer), which
+adds about 4 MiB to the daemon and to the floor alike. An install from constraints.txt has no
+rich; the note says when it was hidden. A directory put first on PYTHONPATH holds a `rich`
+package whose import fails, as it would without the package.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +34,7 @@ import trio
 from bench.common import Mode, Result, daemon, workspace
 
 NAME = "idle_rss"
-TARGET_MIB = 60
+TARGET_MIB = 55
 SETTLE_S = 0.5
 REPEATS = 3
 TOP_LEVEL = "import trio, trio_websocket, pydantic, cryptography, joserfc, structlog, prometheus_client\n"
@@ -49,23 +57,42 @@ def vm_rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def bare_rss_mib(imports: str) -> float:
+HIDDEN = ("rich",)  # importable only through the bench extra; structlog loads it when it can
+
+
+def hiding_env(workdir: Path) -> dict[str, str]:
+    """PYTHONPATH for a process that must not find the HIDDEN packages ({} when none is
+    installed)."""
+    hidden = [name for name in HIDDEN if importlib.util.find_spec(name) is not None]
+    if not hidden:
+        return {}
+    shim = workdir / "hide-packages"
+    for name in hidden:
+        (shim / name).mkdir(parents=True, exist_ok=True)
+        (shim / name / "__init__.py").write_text(f"raise ImportError('{name} is hidden from this benchmark')\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH", "")]))}
+
+
+def bare_rss_mib(imports: str, env: dict[str, str]) -> float:
     def once() -> int:
-        out = subprocess.run([sys.executable, "-c", imports + PRINT_RSS], check=True, capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", imports + PRINT_RSS], check=True, capture_output=True, text=True, env={**os.environ, **env}
+        )
         return int(out.stdout)
 
     return statistics.median(once() for _ in range(REPEATS)) / 1024
 
 
 async def run(mode: Mode, workdir: Path) -> Result:
-    async with daemon(workdir / "daemon") as (process, running):
+    env = hiding_env(workdir)
+    async with daemon(workdir / "daemon", env=env) as (process, running):
         client = running.client()
         async with client.connect() as session:
             await session.bootstrap(cwd=workspace(running.layout))
         await trio.sleep(SETTLE_S)
         daemon_mib = vm_rss_kib(process.proc.pid) / 1024
-    bare_mib = await trio.to_thread.run_sync(bare_rss_mib, AS_USED)
-    top_level_mib = await trio.to_thread.run_sync(bare_rss_mib, TOP_LEVEL)
+    bare_mib = await trio.to_thread.run_sync(bare_rss_mib, AS_USED, env)
+    top_level_mib = await trio.to_thread.run_sync(bare_rss_mib, TOP_LEVEL, env)
     return Result(
         NAME,
         f"daemon VmRSS {daemon_mib:.1f} MiB",
@@ -73,5 +100,8 @@ async def run(mode: Mode, workdir: Path) -> Result:
         daemon_mib / bare_mib,
         f"<= {TARGET_MIB} MiB absolute",
         daemon_mib <= TARGET_MIB,
-        f"difference {daemon_mib - bare_mib:+.1f} MiB; top-level imports only {top_level_mib:.1f} MiB",
+        f"difference {daemon_mib - bare_mib:+.1f} MiB; top-level imports only {top_level_mib:.1f} MiB"
+        + ("; rich hidden (installed by the bench extra)" if env else ""),
+        figure=daemon_mib,
+        figure_unit="MiB",
     )

@@ -27,7 +27,7 @@ from sandbox_supervisor.daemon.state.store import DB_FILENAME, StateStore
 from sandbox_supervisor.testing.daemon import running_daemon
 
 NAME = "replay"
-TARGET = 2.0
+TARGET = 1.5
 APPEND_BATCH = 10_000
 
 

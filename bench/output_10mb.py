@@ -1,0 +1,146 @@
+"""10 MB of output delivered: a command printing 10 MB, run and read back whole, against
+SWE-ReX's `execute` returning the same 10 MB as its stdout.
+
+Daemon: `execute_shell_command` of `yes '<62 chars>' | head -c 10000000` on one bootstrapped
+socket, until its `tool.result` (the live `exec.output` events that arrive before it are
+received and dropped, as a client that pages would), then every byte of stdout read back with
+`exec.read_output` pages of 64 KiB, 8 requests in flight (a new one sent as each page
+arrives), each page's base64 decoded into place. The bytes are checked against the command's
+output after the timer stops.
+
+Peer: SWE-ReX's server (bench/swerex_peer.py) on 127.0.0.1, one keep-alive HTTP connection,
+`POST /execute` of the same command as `["/bin/bash", "-c", command]`, until its JSON answer is
+received and parsed (stdout as one string), checked the same way.
+
+Samples alternate (peer, daemon, …). The ratio is SWE-ReX's median over the daemon's (higher is
+better); the target is SWE-ReX taking at least 2× the daemon's time. Without swe-rex (the
+`bench` extra) the daemon's side still runs, and the SKIP line gives its figure.
+
+This module pages with the protocol as it is (base64 JSON pages); a faster delivery keeps its
+name, NAME and interface.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+from pathlib import Path
+
+import trio
+
+from bench.common import FRAME_TIMEOUT_S, CpuMeter, Driver, Mode, Result, Skipped, daemon, key, latency, now, require_ok, workspace
+from bench.swerex_peer import MISSING, available, swerex_server
+
+NAME = "output_10mb"
+TARGET = 2.0  # SWE-ReX's time / the daemon's, at least
+SIZE = 10_000_000
+PAGE_BYTES = 64 * 1024  # exec.read_output's largest page
+IN_FLIGHT = 8
+LINE = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+COMMAND = f"yes '{LINE}' | head -c {SIZE}"
+
+
+def expected_output() -> bytes:
+    line = (LINE + "\n").encode()
+    return (line * (SIZE // len(line) + 1))[:SIZE]
+
+
+async def delivered(driver: Driver) -> bytearray:
+    """Run the command and page its stdout back; the bytes read."""
+    session = driver.session
+    call_id = await session.call("execute_shell_command", {"command": COMMAND, "timeout_ms": 60_000}, idempotency_key=key())
+    result = require_ok(await driver.wait_result(call_id))
+    assert result["exit_code"] == 0, result
+    total = result["stdout"]["bytes"]
+    out = bytearray(total)
+    pending: dict[int, int] = {}  # offset -> length of each request in flight
+    next_offset = 0
+    received = 0
+
+    async def ask(offset: int, length: int) -> None:
+        pending[offset] = length
+        await session.send("exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": offset, "length": length})
+
+    while next_offset < total and len(pending) < IN_FLIGHT:
+        await ask(next_offset, min(PAGE_BYTES, total - next_offset))
+        next_offset += PAGE_BYTES
+    with trio.fail_after(FRAME_TIMEOUT_S):
+        while received < total:
+            frame = json.loads(await session.ws.get_message())
+            kind = frame["kind"]
+            if kind == "error":
+                raise RuntimeError(f"error frame: {frame['body']}")
+            if kind != "exec.output_page":
+                continue  # a live event of this or an earlier call
+            body = frame["body"]
+            offset = body["offset"]
+            data = base64.b64decode(body["data"])
+            out[offset:offset + len(data)] = data
+            received += len(data)
+            asked = pending.pop(offset)
+            if len(data) < asked:  # the spool was behind: ask again for the rest of this page
+                await ask(offset + len(data), asked - len(data))
+            elif next_offset < total:
+                await ask(next_offset, min(PAGE_BYTES, total - next_offset))
+                next_offset += PAGE_BYTES
+    await driver.maybe_ack()
+    return out
+
+
+async def run(mode: Mode, workdir: Path) -> Result:
+    samples, warmup = mode.pick(15, 2), 1
+    expected = expected_output()
+    if not available():
+        alone = await daemon_alone(workdir, samples, warmup, expected)
+        raise Skipped(f"{MISSING}; the daemon alone: {latency(alone)}")
+    measured: list[float] = []
+    peer: list[float] = []
+    async with swerex_server(workdir / "swerex.log") as rex, daemon(workdir / "daemon") as (process, running):
+        client = running.client()
+        async with rex.client() as http, client.connect() as session:
+            await session.bootstrap(cwd=workspace(running.layout))
+            driver = Driver(session)
+            for i in range(warmup + samples):
+                if i == warmup:
+                    meter = CpuMeter(process.proc.pid, rex.proc.pid, "SWE-ReX")
+                started = now()
+                answer = await http.execute(["/bin/bash", "-c", COMMAND])
+                elapsed_peer = now() - started
+                assert answer["exit_code"] == 0 and answer["stdout"].encode() == expected, "SWE-ReX's stdout differs"
+                started = now()
+                out = await delivered(driver)
+                elapsed = now() - started
+                assert out == expected, "the paged stdout differs from the command's output"
+                if i >= warmup:
+                    peer.append(elapsed_peer)
+                    measured.append(elapsed)
+            meter.stop()
+    ratio = statistics.median(peer) / statistics.median(measured)
+    return Result(
+        NAME,
+        latency(measured),
+        latency(peer),
+        ratio,
+        f">= {TARGET:g}x (SWE-ReX / daemon)",
+        ratio >= TARGET,
+        f"{SIZE // 1_000_000} MB, pages of {PAGE_BYTES // 1024} KiB, {IN_FLIGHT} in flight; {meter.per_op(samples, 'ms')}",
+        floor_label="SWE-ReX",
+    )
+
+
+async def daemon_alone(workdir: Path, samples: int, warmup: int, expected: bytes) -> list[float]:
+    measured: list[float] = []
+    async with daemon(workdir / "daemon") as (_process, running):
+        client = running.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=workspace(running.layout))
+            driver = Driver(session)
+            for i in range(warmup + samples):
+                started = now()
+                out = await delivered(driver)
+                elapsed = now() - started
+                assert out == expected, "the paged stdout differs from the command's output"
+                if i >= warmup:
+                    measured.append(elapsed)
+    return measured
