@@ -79,7 +79,12 @@ class SocketSender:
 
     async def reply(self, text: str) -> None:
         """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…)."""
-        await self._reply_in.send(text)
+        try:
+            # Room in the queue (the usual case): queued without a checkpoint, so the reply
+            # and whatever the same step journals go out in this task's next pass together.
+            self._reply_in.send_nowait(text)
+        except trio.WouldBlock:
+            await self._reply_in.send(text)
         self._wake.set()
 
     async def run(self) -> None:
