@@ -27,9 +27,11 @@ class CountingStream:
     def __init__(self, inner: trio.abc.Stream) -> None:
         self._inner = inner
         self.writes: list[int] = []
+        self.data = bytearray()
 
     async def send_all(self, data: bytes) -> None:
         self.writes.append(len(data))
+        self.data += data
         await self._inner.send_all(data)
 
     def __getattr__(self, name: str):
@@ -68,6 +70,13 @@ async def test_frames_ready_together_are_one_write_and_arrive_intact():
     async def body(ws, counted, client):
         await send_messages(ws, texts)
         assert counted.writes and len(counted.writes) == 1
+        assert [await client.get_message() for _ in texts] == texts
+        # Byte for byte what one send_message per frame writes.
+        batched = bytes(counted.data)
+        counted.data.clear()
+        for text in texts:
+            await ws.send_message(text)
+        assert bytes(counted.data) == batched
         assert [await client.get_message() for _ in texts] == texts
 
     await with_pair(body)

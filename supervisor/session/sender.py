@@ -260,8 +260,8 @@ async def send_messages(
 
     trio-websocket sends one message per write and has no call for several; this does what
     its `_send` does (wsproto's bytes, under the connection's stream lock, the same handling
-    of a broken stream), for a batch. The version is pinned (constraints.txt), and a test
-    holds the bytes to what `send_message` writes."""
+    of a broken stream), for a batch. The version is pinned (constraints.txt), and
+    tests/test_sender.py holds the bytes to what `send_message` writes."""
     if ws._close_reason:
         raise trio_websocket.ConnectionClosed(ws._close_reason)
     pending: list[bytes] = []
