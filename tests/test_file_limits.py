@@ -301,10 +301,10 @@ async def test_a_cancelled_read_is_abandoned_not_waited_for(tmp_path, monkeypatc
 
     real_open = files_module.open_regular_file
 
-    def held_open(path):
+    def held_open(path, **options):
         entered.set()
         gate.wait()
-        return real_open(path)
+        return real_open(path, **options)
 
     monkeypatch.setattr(files_module, "open_regular_file", held_open)
 

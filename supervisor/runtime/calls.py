@@ -232,7 +232,12 @@ class CallRunner:
             error = {"code": errors.FORBIDDEN, "message": f"The connection lacks the {tool.scope} scope."}
             self._journal_refusal(result_body(call.call_id, call.idempotency_key, call.tool_name, error=error))
             return
-        await self.in_flight.acquire()
+        try:
+            # A free slot is taken without a checkpoint: `acquire` would yield to the
+            # scheduler even then, one more pass of the event loop on every call.
+            self.in_flight.acquire_nowait()
+        except trio.WouldBlock:
+            await self.in_flight.acquire()
         if may_act is not None and not may_act():
             # Waiting for a slot is a checkpoint: a newer upgrade may have passed the gate
             # meanwhile (without superseding this socket yet). A fenced-out frame never acts.

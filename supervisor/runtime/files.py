@@ -135,7 +135,7 @@ def check_regular_file(mode: int) -> None:
         raise ToolFailure(INVALID_PARAMETERS, "The path is not a regular file.")
 
 
-def open_regular_file(jailed: JailedPath) -> tuple[BinaryIO, os.stat_result] | None:
+def open_regular_file(jailed: JailedPath, *, buffering: int = -1) -> tuple[BinaryIO, os.stat_result] | None:
     """The jailed file opened for reading, with its stat; None when nothing is there;
     ToolFailure for a directory or a special file; NotADirectoryError when a parent is not a
     directory (what that means depends on the tool). The walk opened it (READ_FLAGS:
@@ -159,7 +159,7 @@ def open_regular_file(jailed: JailedPath) -> tuple[BinaryIO, os.stat_result] | N
         os.close(fd)
         raise
     # fdopen refuses a directory's fd, hence the check above before it takes ownership.
-    return os.fdopen(fd, "rb"), info
+    return os.fdopen(fd, "rb", buffering=buffering), info
 
 
 def check_size(info: os.stat_result, max_file_bytes: int) -> None:
@@ -184,7 +184,9 @@ def _read_once(
     _TOO_LARGE_FOR_INLINE."""
     with target() as jailed:
         try:
-            found = open_regular_file(jailed)
+            # Unbuffered: the reads below are in chunks of their own, and a buffered reader
+            # costs an isatty ioctl and an lseek per open (a small read_file's hot path).
+            found = open_regular_file(jailed, buffering=0)
         except NotADirectoryError:
             raise ToolFailure(NOT_FOUND, "A parent of the path is not a directory.") from None
     if found is None:

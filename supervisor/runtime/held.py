@@ -62,6 +62,8 @@ TERMINAL_THROTTLE_MS = 0.0
 # After the process exited, descendants in the background may still be writing: its
 # exec.completed waits this long for the streams to end, as a command's does (§7.4.3).
 COMPLETION_GRACE_S = 0.2
+# The spool files of a process on a terminal: its output is one stream (docs/protocol.md).
+TERMINAL_STREAMS: tuple[Stream, ...] = ("stdout",)
 
 
 class HolderGone(Exception):
@@ -98,25 +100,37 @@ class HolderLink:
             os.close(fd)
 
     async def request(self, line: bytes) -> Reply:
-        async with self._lock:
-            if self.closed.is_set():
-                raise HolderGone()
+        try:
+            # A free lock is taken without a checkpoint (the usual case: one request at a
+            # time): `async with` would yield to the scheduler first, one more pass of the
+            # event loop on a keystroke's way to its terminal.
+            self._lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._lock.acquire()
+        try:
+            return await self._request_locked(line)
+        finally:
+            self._lock.release()
+
+    async def _request_locked(self, line: bytes) -> Reply:
+        if self.closed.is_set():
+            raise HolderGone()
+        try:
+            await self._stream.send_all(line)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise HolderGone() from None
+        with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
             try:
-                await self._stream.send_all(line)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                raise HolderGone() from None
-            with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
-                try:
-                    return await self._reply_receive.receive()
-                except trio.EndOfChannel:
-                    raise HolderGone() from None
-            try:
-                self._reply_receive.receive_nowait()  # it came as the wait ended: not stale
-            except trio.WouldBlock:
-                self._abandoned += 1
+                return await self._reply_receive.receive()
             except trio.EndOfChannel:
                 raise HolderGone() from None
-            raise HolderSlow()
+        try:
+            self._reply_receive.receive_nowait()  # it came as the wait ended: not stale
+        except trio.WouldBlock:
+            self._abandoned += 1
+        except trio.EndOfChannel:
+            raise HolderGone() from None
+        raise HolderSlow()
 
     async def run(self, on_event: Callable[[Message], None]) -> None:
         """Read the holder's lines until it closes the connection (or says something the
@@ -137,7 +151,12 @@ class HolderLink:
                         if self._abandoned:
                             self._abandoned -= 1  # the late answer to a request given up on
                         else:
-                            await self._reply_send.send(message)
+                            try:
+                                # The requester waits for it: handed over without a
+                                # scheduler pass of this task's own.
+                                self._reply_send.send_nowait(message)
+                            except trio.WouldBlock:
+                                await self._reply_send.send(message)
                     else:
                         on_event(message)
         except HolderProtocolError:
@@ -185,7 +204,9 @@ class HeldProcess:
         opened once, when it exists (a stream's file comes with its first byte), and read by
         offset: this runs for every batch a process writes (a keystroke's echo, in a terminal)."""
         gained = False
-        for name in STREAMS:
+        # A terminal is one stream (stdout): its holder never makes a stderr file, and
+        # looking for one would cost a failed open on every keystroke's echo.
+        for name in TERMINAL_STREAMS if self.record.pty else STREAMS:
             fd = self._files.get(name)
             if fd is None:
                 try:

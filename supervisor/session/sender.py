@@ -4,14 +4,20 @@ It sends, in a loop: queued replies (not journaled), then journaled events after
 read from sqlite in batches, each as it is or — outside what the socket's assertion lets it
 see — as `event.withheld` (docs/protocol.md §9.1). Producers never wait for it; a slow client only makes this task
 wait, and memory stays bounded (a batch of events plus a bounded reply queue).
+
+Everything one wake-up finds ready goes out in as few socket writes as it fits in
+(`send_messages`): on loopback a write costs the receiver's network processing too, so an
+acknowledgement and the output it caused, or a replay's batch, cost one system call, not one
+per frame.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 import trio_websocket
+import wsproto.events
 
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.visibility import Audience
@@ -27,6 +33,17 @@ EVENT_BATCH = 128
 EVENT_BATCH_MAX_CHARS = 4 * 1024 * 1024
 # Without a configured one (tests of the sender alone): the default of websocket.write_timeout_s.
 DEFAULT_WRITE_TIMEOUT_S = 60.0
+# Frames that are ready together share a socket write up to this many bytes (a larger frame
+# is a write of its own): few system calls for a burst, while the write timeout still
+# measures a peer's progress in steps this small.
+WRITE_BATCH_MAX_BYTES = 256 * 1024
+# What the socket's reader writes itself after a call it finished on the spot (see
+# `send_deferred`): at most this many frames of at most this many characters in all (16 KiB
+# of UTF-8 at most), which a send buffer with nothing queued takes without waiting (Linux's
+# default TCP send buffer starts at 16 KiB, a unix socket's is larger). More goes to the
+# sender task.
+INLINE_MAX_FRAMES = 4
+INLINE_MAX_CHARS = 4096
 
 
 class _Stalled(Exception):
@@ -44,8 +61,13 @@ class SocketSender:
         *,
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         on_stalled: Callable[[], None] | None = None,
+        unsent: Callable[[], int] | None = None,
     ) -> None:
         self._ws = ws
+        # The bytes the kernel still holds for the peer (SIOCOUTQ), when the socket can say:
+        # `send_deferred` writes from the reader's task only when that is 0, so it never
+        # waits for a peer that stopped reading (None: it never writes from there).
+        self._unsent = unsent
         self._write_timeout_s = write_timeout_s
         # Told once when a write times out (the socket closes it); the sender then stops.
         self._on_stalled = on_stalled
@@ -63,36 +85,98 @@ class SocketSender:
         self._progress = trio.Event()
         self.failed = False
         self.stopped = False
+        # A write is under way (this task's, or the socket reader's `send_deferred`): the
+        # other one leaves the socket alone, so frames never interleave or reorder.
+        self._busy = False
+        # A write of `send_deferred` that failed: the sender task ends on it as on its own.
+        self._failure: BaseException | None = None
+        # While the socket's reader runs a frame to its end (`defer_wakes`), the wake-ups of
+        # its own appends are noted here instead of scheduling this task; `send_deferred`
+        # then writes what they made ready itself.
+        self._deferring: trio.lowlevel.Task | None = None
+        self._deferred = False
 
     def wake(self) -> None:
-        self._wake.set()
+        if self._deferring is not None and trio.lowlevel.current_task() is self._deferring:
+            self._deferred = True
+        else:
+            self._wake.set()
 
     async def reply(self, text: str) -> None:
         """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…)."""
-        await self._reply_in.send(text)
+        try:
+            # Room in the queue (the usual case): queued without a checkpoint, so the reply
+            # and whatever the same step journals go out in this task's next pass together.
+            self._reply_in.send_nowait(text)
+        except trio.WouldBlock:
+            await self._reply_in.send(text)
+        # Never deferred: a reader that fills the queue waits for this task to empty it.
         self._wake.set()
+
+    def defer_wakes(self) -> None:
+        """From the socket's reader, before it hands a frame to the runtime: the events the
+        frame's own synchronous work journals (a small read_file's result) are written by
+        `send_deferred` in the reader's task, one scheduler pass sooner than a wake-up of
+        this task would. Appends by other tasks wake this task as always."""
+        self._deferring = trio.lowlevel.current_task()
+
+    def release_deferred(self) -> None:
+        """End `defer_wakes` without writing (the frame's handling was cancelled or failed):
+        this task is woken for whatever was noted."""
+        self._deferring = None
+        if self._deferred:
+            self._deferred = False
+            self._wake.set()
+
+    async def send_deferred(self) -> None:
+        """End `defer_wakes`: when the frame journaled something, write it now from the
+        calling task, unless this task is writing already or has stopped (then it is woken
+        and writes it itself). Commit before send holds: only journaled frames are read."""
+        self._deferring = None
+        if not self._deferred:
+            return
+        self._deferred = False
+        if not self._may_write_inline():
+            self._wake.set()
+            return
+        try:
+            await self._pass()
+        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, _Stalled) as exc:
+            self._failure = exc  # the sender task ends on it, as if its own write had failed
+            self._wake.set()
+            return
+        if self._reply_out.statistics().current_buffer_used or self.cursor < self._journal.last_seq:
+            self._wake.set()  # more than one batch, or replies queued meanwhile
+
+    def _may_write_inline(self) -> bool:
+        """Whether the reader may write what is ready itself: nobody is writing, no reply is
+        queued (replies go first, as in this task's passes), and the write cannot wait — the
+        kernel holds nothing unsent for this peer, and the frames are few and small enough
+        for the empty send buffer to take at once."""
+        if self._busy or self.stopped or self._failure is not None or self._unsent is None:
+            return False
+        if self._reply_out.statistics().current_buffer_used:
+            return False
+        journal = self._journal
+        if journal.last_seq - self.cursor > INLINE_MAX_FRAMES:
+            return False
+        rows = journal.frames_after(self.cursor, INLINE_MAX_FRAMES, None, self._audience)
+        if sum(len(frame) for _, frame in rows) > INLINE_MAX_CHARS:
+            return False
+        try:
+            return self._unsent() == 0
+        except OSError:
+            return False
 
     async def run(self) -> None:
         """Send until the socket closes (or the task is cancelled with its connection)."""
         self._journal.subscribe(self.wake)
         try:
             while True:
+                if self._failure is not None:
+                    raise self._failure
                 self._wake = trio.Event()
-                sent = await self._send_replies()
-                rows = (
-                    self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
-                    if self.cursor < self._journal.last_seq
-                    else []
-                )
-                for seq, frame in rows:
-                    await self._send(frame)
-                    self.cursor = seq
-                if rows:
-                    self._progress.set()
-                    self._progress = trio.Event()
-                if rows and self._telemetry is not None and rows[0][0] <= self._replay_until:
-                    self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
-                if not sent and not rows:
+                if self._busy or not await self._pass():
                     await self._wake.wait()
         except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             self.failed = True
@@ -104,6 +188,31 @@ class SocketSender:
             self._journal.unsubscribe(self.wake)
             self.stopped = True
             self._progress.set()
+
+    async def _pass(self) -> bool:
+        """Write every queued reply, then the next batch of events after the cursor, in as
+        few writes as they fit in; whether there was anything to write."""
+        self._busy = True
+        try:
+            texts = self._take_replies()
+            rows = (
+                self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
+                if self.cursor < self._journal.last_seq
+                else []
+            )
+            if not texts and not rows:
+                return False
+            texts.extend(frame for _, frame in rows)
+            await self._send(texts)
+        finally:
+            self._busy = False
+        if rows:
+            self.cursor = rows[-1][0]
+            self._progress.set()
+            self._progress = trio.Event()
+            if self._telemetry is not None and rows[0][0] <= self._replay_until:
+                self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
+        return True
 
     def sent_through(self, seq: int) -> bool:
         """Every event up to `seq` has been sent on this socket, or acknowledged (the client
@@ -118,20 +227,58 @@ class SocketSender:
         while not self.stopped and not self.sent_through(seq):
             await self._progress.wait()
 
-    async def _send_replies(self) -> bool:
-        sent = False
+    def _take_replies(self) -> list[str]:
+        """Every queued reply, in order (the queue is bounded: at most REPLY_QUEUE_SIZE)."""
+        texts: list[str] = []
         while True:
             try:
-                text = self._reply_out.receive_nowait()
+                texts.append(self._reply_out.receive_nowait())
             except trio.WouldBlock:
-                return sent
-            await self._send(text)
-            sent = True
+                return texts
 
-    async def _send(self, text: str) -> None:
-        """One frame, within the write timeout. A write cut short leaves a partial frame on
-        the stream, so the socket is not used again: _Stalled ends the sender."""
+    async def _send(self, texts: Sequence[str]) -> None:
+        """Frames in order, each write within the write timeout. A write cut short leaves a
+        partial frame on the stream, so the socket is not used again: _Stalled ends the
+        sender."""
         with trio.move_on_after(self._write_timeout_s) as scope:
-            await self._ws.send_message(text)
+            await send_messages(self._ws, texts, deadline_scope=scope, write_timeout_s=self._write_timeout_s)
         if scope.cancelled_caught:
             raise _Stalled
+
+
+async def send_messages(
+    ws: trio_websocket.WebSocketConnection,
+    texts: Sequence[str],
+    *,
+    deadline_scope: trio.CancelScope | None = None,
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+) -> None:
+    """Send `texts` as consecutive WebSocket text messages, joined into socket writes of up
+    to WRITE_BATCH_MAX_BYTES (what `ws.send_message` would put on the stream, byte for byte,
+    in fewer system calls). With `deadline_scope`, each write gets `write_timeout_s` from
+    its start: the timeout measures the peer's progress, not the size of the burst.
+
+    trio-websocket sends one message per write and has no call for several; this does what
+    its `_send` does (wsproto's bytes, under the connection's stream lock, the same handling
+    of a broken stream), for a batch. The version is pinned (constraints.txt), and
+    tests/test_sender.py holds the bytes to what `send_message` writes."""
+    if ws._close_reason:
+        raise trio_websocket.ConnectionClosed(ws._close_reason)
+    pending: list[bytes] = []
+    size = 0
+    for index, text in enumerate(texts):
+        data = ws._wsproto.send(wsproto.events.TextMessage(data=text))
+        pending.append(data)
+        size += len(data)
+        if size >= WRITE_BATCH_MAX_BYTES or index == len(texts) - 1:
+            if deadline_scope is not None:
+                deadline_scope.deadline = trio.current_time() + write_timeout_s
+            chunk = pending[0] if len(pending) == 1 else b"".join(pending)
+            pending, size = [], 0
+            async with ws._stream_lock:
+                try:
+                    await ws._stream.send_all(chunk)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    await ws._abort_web_socket()
+                    assert ws._close_reason is not None
+                    raise trio_websocket.ConnectionClosed(ws._close_reason) from None

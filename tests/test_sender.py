@@ -1,0 +1,172 @@
+"""The socket sender's writes: frames that are ready together share one socket write, and
+arrive as the same messages, in the same order, as one `send_message` each would give."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import trio
+import trio.testing
+import trio_websocket
+
+from sandbox_supervisor.daemon.session.sender import WRITE_BATCH_MAX_BYTES, SocketSender, send_messages
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.store import StateStore
+
+FRAME_TIMEOUT_S = 10.0
+
+
+def tool_result(n: int) -> dict:
+    return {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": None,
+            "tool_name": "read_file", "ok": True, "result": {"n": n}}
+
+
+class CountingStream:
+    """Stands in for the server side's stream: counts the writes, passes everything on."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self._inner = inner
+        self.writes: list[int] = []
+        self.data = bytearray()
+
+    async def send_all(self, data: bytes) -> None:
+        self.writes.append(len(data))
+        self.data += data
+        await self._inner.send_all(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+async def with_pair(body: Callable[[trio_websocket.WebSocketConnection, CountingStream, trio_websocket.WebSocketConnection], object]) -> None:
+    """A real WebSocket over loopback TCP; `body(server_ws, its counted stream, client_ws)`."""
+    send, receive = trio.open_memory_channel(1)
+
+    async def handler(request: trio_websocket.WebSocketRequest) -> None:
+        ws = await request.accept()
+        done = trio.Event()
+        await send.send((ws, done))
+        await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None)
+        port = server.port
+        async with trio_websocket.open_websocket("127.0.0.1", port, "/", use_ssl=False) as client:
+            with trio.fail_after(FRAME_TIMEOUT_S):
+                ws, done = await receive.receive()
+            counted = CountingStream(ws._stream)
+            ws._stream = counted
+            try:
+                with trio.fail_after(FRAME_TIMEOUT_S):
+                    await body(ws, counted, client)
+            finally:
+                done.set()
+        nursery.cancel_scope.cancel()
+
+
+async def test_frames_ready_together_are_one_write_and_arrive_intact():
+    texts = ["first", '{"kind":"x","text":"é ✓ 😀"}', "third" * 100]
+
+    async def body(ws, counted, client):
+        await send_messages(ws, texts)
+        assert counted.writes and len(counted.writes) == 1
+        assert [await client.get_message() for _ in texts] == texts
+        # Byte for byte what one send_message per frame writes.
+        batched = bytes(counted.data)
+        counted.data.clear()
+        for text in texts:
+            await ws.send_message(text)
+        assert bytes(counted.data) == batched
+        assert [await client.get_message() for _ in texts] == texts
+
+    await with_pair(body)
+
+
+async def test_a_burst_larger_than_a_write_is_split_and_stays_in_order():
+    # Four frames of half a write each: two writes, never one frame split across messages.
+    size = WRITE_BATCH_MAX_BYTES // 2
+    texts = [chr(ord("a") + i) * size for i in range(4)]
+
+    async def body(ws, counted, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_messages, ws, texts)
+            received = [await client.get_message() for _ in texts]
+        assert received == texts
+        assert len(counted.writes) == 2, counted.writes
+
+    await with_pair(body)
+
+
+async def test_a_reply_and_the_events_after_it_go_out_in_one_write(tmp_path):
+    """An acknowledgement and the journaled events that are ready with it (a keystroke's
+    exec.stdin_ack and its echo): one socket write, the reply first, then the events by seq."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        sender = SocketSender(ws, journal, cursor=0)
+        await sender.reply('{"kind":"exec.stdin_ack"}')
+        journal.append([("tool.result", tool_result(1)), ("tool.result", tool_result(2))])
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            received = [await client.get_message() for _ in range(3)]
+            await sender.flush(2)
+            nursery.cancel_scope.cancel()
+        assert received[0] == '{"kind":"exec.stdin_ack"}'
+        assert ['"seq":1' in received[1], '"seq":2' in received[2]] == [True, True]
+        assert len(counted.writes) == 1, counted.writes
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
+async def test_a_result_journaled_by_the_reader_is_written_by_it_without_waking_the_sender(tmp_path):
+    """send_deferred: the events the reader's own step journaled go out from the reader's
+    task when the kernel holds nothing unsent; the sender task is not woken for them."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        sender = SocketSender(ws, journal, cursor=0, unsent=lambda: 0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            await trio.testing.wait_all_tasks_blocked()
+            sender.defer_wakes()
+            journal.append([("tool.result", tool_result(1))])
+            assert not sender._wake.is_set()  # noted, not scheduled
+            await sender.send_deferred()
+            assert sender.cursor == 1 and not sender._wake.is_set()
+            assert '"seq":1' in await client.get_message()
+            nursery.cancel_scope.cancel()
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
+async def test_the_reader_leaves_the_write_to_the_sender_when_the_peer_has_unread_bytes(tmp_path):
+    """With bytes still queued in the kernel (a peer that is not reading), the reader never
+    writes: it could wait there. The sender task is woken and writes instead."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        sender = SocketSender(ws, journal, cursor=0, unsent=lambda: 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            await trio.testing.wait_all_tasks_blocked()
+            sender.defer_wakes()
+            journal.append([("tool.result", tool_result(1))])
+            await sender.send_deferred()
+            assert sender.cursor == 0 and sender._wake.is_set()  # handed to the sender task
+            assert '"seq":1' in await client.get_message()
+            await sender.flush(1)
+            nursery.cancel_scope.cancel()
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
