@@ -20,6 +20,10 @@ from sandbox_supervisor.daemon.telemetry import Telemetry
 # Bounded: a client that floods requests without reading replies is slowed at its own
 # reader (back-pressure), never allowed to grow the daemon's memory.
 REPLY_QUEUE_SIZE = 64
+# ...and bounded in size: a binary output page is up to 1 MiB (protocol/frames.py), so 64 of
+# them would be 64 MiB. A reply waits while the queue holds this much (a single larger one
+# still goes through alone).
+REPLY_QUEUE_MAX_CHARS = 4 * 1024 * 1024
 # Large enough that a 100,000-event replay costs few queries, small enough to bound memory:
 # at most this many events, and a batch ends once it holds EVENT_BATCH_MAX_CHARS (one event
 # can be ~400 KB once JSON-escaped: a read_file page of control characters).
@@ -56,7 +60,9 @@ class SocketSender:
         self._replay_until = journal.last_seq
         self._journal = journal
         self.cursor = cursor  # the highest seq sent (or known to the client) so far
-        self._reply_in, self._reply_out = trio.open_memory_channel[str](REPLY_QUEUE_SIZE)
+        self._reply_in, self._reply_out = trio.open_memory_channel[str | bytes](REPLY_QUEUE_SIZE)
+        self._queued_chars = 0  # characters (or bytes, of a binary reply) in the reply queue
+        self._dequeued = trio.Event()  # set (and replaced) each time a reply leaves the queue
         self._wake = trio.Event()
         # Set (and replaced) each time the cursor moves, and once the sender stops: what
         # `flush` waits on.
@@ -67,8 +73,12 @@ class SocketSender:
     def wake(self) -> None:
         self._wake.set()
 
-    async def reply(self, text: str) -> None:
-        """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…)."""
+    async def reply(self, text: str | bytes) -> None:
+        """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…);
+        bytes go as a binary message (a binary exec.output_page)."""
+        while self._queued_chars and self._queued_chars + len(text) > REPLY_QUEUE_MAX_CHARS:
+            await self._dequeued.wait()
+        self._queued_chars += len(text)
         await self._reply_in.send(text)
         self._wake.set()
 
@@ -125,10 +135,13 @@ class SocketSender:
                 text = self._reply_out.receive_nowait()
             except trio.WouldBlock:
                 return sent
+            self._queued_chars -= len(text)
+            self._dequeued.set()
+            self._dequeued = trio.Event()
             await self._send(text)
             sent = True
 
-    async def _send(self, text: str) -> None:
+    async def _send(self, text: str | bytes) -> None:
         """One frame, within the write timeout. A write cut short leaves a partial frame on
         the stream, so the socket is not used again: _Stalled ends the sender."""
         with trio.move_on_after(self._write_timeout_s) as scope:
