@@ -289,8 +289,8 @@ class _Lines:
             return known
         line, offset = self._line, self._offset
         if index < line:
-            # Behind the scan (a hunk's lines after its end was checked): from the nearest
-            # line found before it, a few lines back at most.
+            # Behind the scan: only the search for a hunk's mismatched line comes back here,
+            # once, on the way to an error. From the nearest line known before it.
             line = max(known for known in self._known if known < index)
             offset = self._known[line]
         data = self.data
@@ -339,11 +339,15 @@ def _apply_hunk(
     copied = lines.span(cursor, start)  # first: _Lines scans forward
     if not lines.has(end):
         raise hunk.fail(f"it reaches past the end of the file ({lines.count} lines)")
-    for offset, expected in enumerate(old):
-        actual = lines.line(start + offset)
-        if expected != actual:
-            hint = _hint(expected, actual)
-            raise hunk.fail(f"line {start + offset + 1} differs from the hunk{hint}")
+    # Each old-side line holds exactly one b"\n", at its end (the last may have none), as the
+    # file's lines do: equal as one slice means equal line by line. Only a mismatch is
+    # looked for line by line, for the error.
+    if lines.span(start, end) != b"".join(old):
+        for offset, expected in enumerate(old):
+            actual = lines.line(start + offset)
+            if expected != actual:
+                hint = _hint(expected, actual)
+                raise hunk.fail(f"line {start + offset + 1} differs from the hunk{hint}")
     pieces.append(copied)
     emitted += start - cursor
     # The same convention on the new side: where the hunk's new lines land in the result.
