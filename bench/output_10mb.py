@@ -4,8 +4,9 @@ SWE-ReX's `execute` returning the same 10 MB as its stdout.
 Daemon: `execute_shell_command` of `yes '<62 chars>' | head -c 10000000` on one bootstrapped
 socket, until its `tool.result` (the live `exec.output` events that arrive before it are
 received and dropped, as a client that pages would), then every byte of stdout read back with
-`exec.read_output` pages of 64 KiB, 8 requests in flight (a new one sent as each page
-arrives), each page's base64 decoded into place. The bytes are checked against the command's
+`exec.read_output` binary pages (`"format": "binary"`, docs/protocol.md §6.5.1) of 1 MiB,
+4 requests in flight (a new one sent as each page arrives), each page's bytes copied into
+place. The bytes are checked against the command's
 output after the timer stops.
 
 Peer: SWE-ReX's server (bench/swerex_peer.py) on 127.0.0.1, one keep-alive HTTP connection,
@@ -16,13 +17,13 @@ Samples alternate (peer, daemon, …). The ratio is SWE-ReX's median over the da
 better); the target is SWE-ReX taking at least 2× the daemon's time. Without swe-rex (the
 `bench` extra) the daemon's side still runs, and the SKIP line gives its figure.
 
-This module pages with the protocol as it is (base64 JSON pages); a faster delivery keeps its
-name, NAME and interface.
+Binary pages are what a client that pages a large output should use: base64 JSON pages of 64
+KiB cost the daemon about four times the CPU per byte (bench/README.md, "Issue 12:
+`apply_file_patch` and output delivery").
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import statistics
 from pathlib import Path
@@ -30,13 +31,16 @@ from pathlib import Path
 import trio
 
 from bench.common import FRAME_TIMEOUT_S, CpuMeter, Driver, Mode, Result, Skipped, daemon, key, latency, now, require_ok, workspace
+from sandbox_supervisor.protocol.frames import MAX_BINARY_OUTPUT_PAGE_LENGTH
+
 from bench.swerex_peer import MISSING, available, swerex_server
 
 NAME = "output_10mb"
 TARGET = 2.0  # SWE-ReX's time / the daemon's, at least
 SIZE = 10_000_000
-PAGE_BYTES = 64 * 1024  # exec.read_output's largest page
-IN_FLIGHT = 8
+PAGE_BYTES = MAX_BINARY_OUTPUT_PAGE_LENGTH  # exec.read_output's largest binary page
+IN_FLIGHT = 4
+HEADER_LENGTH_BYTES = 4  # a binary page's big-endian header length (§6.5.1)
 LINE = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 COMMAND = f"yes '{LINE}' | head -c {SIZE}"
 
@@ -60,22 +64,25 @@ async def delivered(driver: Driver) -> bytearray:
 
     async def ask(offset: int, length: int) -> None:
         pending[offset] = length
-        await session.send("exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": offset, "length": length})
+        await session.send(
+            "exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": offset, "length": length, "format": "binary"}
+        )
 
     while next_offset < total and len(pending) < IN_FLIGHT:
         await ask(next_offset, min(PAGE_BYTES, total - next_offset))
         next_offset += PAGE_BYTES
     with trio.fail_after(FRAME_TIMEOUT_S):
         while received < total:
-            frame = json.loads(await session.ws.get_message())
-            kind = frame["kind"]
-            if kind == "error":
-                raise RuntimeError(f"error frame: {frame['body']}")
-            if kind != "exec.output_page":
+            message = await session.ws.get_message()
+            if isinstance(message, str):
+                frame = json.loads(message)
+                if frame["kind"] == "error":
+                    raise RuntimeError(f"error frame: {frame['body']}")
                 continue  # a live event of this or an earlier call
-            body = frame["body"]
+            end = HEADER_LENGTH_BYTES + int.from_bytes(message[:HEADER_LENGTH_BYTES], "big")
+            body = json.loads(message[HEADER_LENGTH_BYTES:end])["body"]
             offset = body["offset"]
-            data = base64.b64decode(body["data"])
+            data = memoryview(message)[end:]
             out[offset:offset + len(data)] = data
             received += len(data)
             asked = pending.pop(offset)

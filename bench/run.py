@@ -55,11 +55,6 @@ MODULES = [
     "bench.stdin_pty",
     "bench.process_start",
 ]
-# The 10 MB delivery row may be measured by a module of the same interface written with a
-# faster page delivery; when it is there, it takes the row's place under the row's name
-# (its NAME is "output_10mb", and so is the row in bench/README.md and the smoke test).
-OUTPUT_ROW = "bench.output_10mb"
-OUTPUT_DELIVERY = "bench.output_delivery"
 # Rows whose figure is a rate, a throughput or SWE-ReX's time over the daemon's: higher is
 # better, so their target is a lower bound (the others' is an upper bound).
 AT_LEAST = {"read_file_rate", "big_output", "exec_true_swerex", "output_10mb"}
@@ -68,19 +63,9 @@ QUICK_REPEATS = 1
 TARGET_TEXT = re.compile(r"^(<=|>=) ([0-9.]+)")
 
 
-def modules() -> list[str]:
-    names = list(MODULES)
-    if (ROOT / "bench" / "output_delivery.py").exists():
-        names[names.index(OUTPUT_ROW)] = OUTPUT_DELIVERY
-    return names
-
-
 def load() -> dict:
-    loaded = [importlib.import_module(name) for name in modules()]
-    by_name = {module.NAME: module for module in loaded}
-    if "output_10mb" not in by_name:
-        raise SystemExit(f"{OUTPUT_DELIVERY} must keep the row's NAME, output_10mb")
-    return by_name
+    loaded = [importlib.import_module(name) for name in MODULES]
+    return {module.NAME: module for module in loaded}
 
 
 def target_text(module) -> str:

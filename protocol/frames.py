@@ -107,7 +107,14 @@ SERVER_KINDS = frozenset(
 STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced generation."
 
 # --- limits ---
-MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length (§6.3)
+MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length of a JSON page (§6.3)
+# ... and of a binary page ("format": "binary", §6.5.1): no base64 and no JSON string to
+# escape, so a page can be larger without a larger cost per byte; 1 MiB keeps a page
+# (and the reply queue's byte budget, session/sender.py) small.
+MAX_BINARY_OUTPUT_PAGE_LENGTH = 1024 * 1024
+# A binary exec.output_page: a 4-byte big-endian header length, the JSON header, the bytes.
+BINARY_PAGE_HEADER_LENGTH_BYTES = 4
+OutputPageFormat = Literal["json", "binary"]
 # exec.write_stdin: bytes per frame, and the base64 text that carries at most that many.
 MAX_STDIN_WRITE_BYTES = 65536
 MAX_STDIN_WRITE_CHARS = 4 * -(-MAX_STDIN_WRITE_BYTES // 3)
@@ -135,7 +142,20 @@ class ExecReadOutputBody(StrictModel):
     call_id: CallId
     stream: Stream
     offset: Count
-    length: Annotated[int, Field(ge=1, le=MAX_OUTPUT_PAGE_LENGTH)]
+    # At most MAX_OUTPUT_PAGE_LENGTH for a JSON page (the validator below).
+    length: Annotated[int, Field(ge=1, le=MAX_BINARY_OUTPUT_PAGE_LENGTH)]
+    # "binary": the page comes as a binary message (§6.5.1); absent or "json": as JSON.
+    format: OutputPageFormat | None = optional_field()
+
+    @property
+    def binary(self) -> bool:
+        return self.format == "binary"
+
+    @model_validator(mode="after")
+    def _json_page_length(self) -> ExecReadOutputBody:
+        if not self.binary and self.length > MAX_OUTPUT_PAGE_LENGTH:
+            raise ValueError(f"length of a JSON page is at most {MAX_OUTPUT_PAGE_LENGTH}")
+        return self
 
 
 class ExecWriteStdinBody(StrictModel):
@@ -315,6 +335,48 @@ class ExecOutputPageBody(StrictModel):
 class ExecOutputPageFrame(ServerFrameBase):
     kind: Literal["exec.output_page"] = EXEC_OUTPUT_PAGE
     body: ExecOutputPageBody
+
+
+class ExecOutputPageHeaderBody(StrictModel):
+    """A binary page's header body (§6.5.1): the JSON page's fields, with the number of
+    bytes that follow the header in place of `data`."""
+
+    call_id: CallId
+    stream: Stream
+    offset: Count
+    bytes: Count
+    eof: bool
+    truncated: bool
+
+
+class ExecOutputPageHeader(ServerFrameBase):
+    kind: Literal["exec.output_page"] = EXEC_OUTPUT_PAGE
+    body: ExecOutputPageHeaderBody
+
+
+def encode_binary_page(body: ExecOutputPageHeaderBody, data: bytes) -> bytes:
+    """A binary exec.output_page (§6.5.1): header length, JSON header, the bytes as they are."""
+    if body.bytes != len(data):
+        raise ValueError("the header's bytes must be the length of the data")
+    header = encode_frame(ExecOutputPageHeader(body=body)).encode("utf-8")
+    return b"".join((len(header).to_bytes(BINARY_PAGE_HEADER_LENGTH_BYTES, "big"), header, data))
+
+
+def decode_binary_page(message: bytes) -> tuple[ExecOutputPageHeader, bytes]:
+    """The header and the bytes of a binary exec.output_page (for clients and tests); raise
+    FrameError when the message is not one."""
+    size = int.from_bytes(message[:BINARY_PAGE_HEADER_LENGTH_BYTES], "big")
+    end = BINARY_PAGE_HEADER_LENGTH_BYTES + size
+    if len(message) < end:
+        raise FrameError(INVALID_FRAME, "Binary page shorter than its header length.", kind=EXEC_OUTPUT_PAGE)
+    try:
+        header = ExecOutputPageHeader.model_validate_json(message[BINARY_PAGE_HEADER_LENGTH_BYTES:end])
+    except ValidationError:
+        raise FrameError(INVALID_FRAME, "Binary page header does not match its schema.", kind=EXEC_OUTPUT_PAGE) from None
+    data = message[end:]
+    if len(data) != header.body.bytes:
+        raise FrameError(INVALID_FRAME, "Binary page length differs from its header.", kind=EXEC_OUTPUT_PAGE)
+    return header, data
 
 
 class ExecStdinAckBody(StrictModel):

@@ -44,6 +44,7 @@ EXPORTED: dict[str, Any] = {
     "ToolPendingFrame": frames.ToolPendingFrame,
     "ToolReplayedFrame": frames.ToolReplayedFrame,
     "ExecOutputPageFrame": frames.ExecOutputPageFrame,
+    "ExecOutputPageHeader": frames.ExecOutputPageHeader,
     "ExecStdinAckFrame": frames.ExecStdinAckFrame,
     "ExecProcessesFrame": frames.ExecProcessesFrame,
     "ErrorFrame": frames.ErrorFrame,

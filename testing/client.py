@@ -32,6 +32,11 @@ CONNECT_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 2.0
 RECEIVE_BUFFER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # what the daemon sends can be large (replays, pages)
+# Binary exec.output_page (docs/protocol.md §6.5.1): the header's length field, and what
+# read_stream asks for by default (the largest page, a few in flight).
+BINARY_HEADER_LENGTH_BYTES = 4
+BINARY_PAGE_LENGTH = 1024 * 1024
+PAGES_IN_FLIGHT = 4
 FRAME_ERRORS = (errors.INVALID_FRAME, errors.UNKNOWN_KIND, errors.GENERATION_MISMATCH)
 # Results that never held the idempotency key (docs/protocol.md §8): after a tool.pending
 # they are not the one result the key's first execution will produce.
@@ -344,6 +349,31 @@ class ControlClient:
             yield ControlSession(self, ws, generation, attempt_id)
 
 
+def _read_request(call_id: str, stream: str, offset: int, length: int, binary: bool) -> JsonObject:
+    body: JsonObject = {"call_id": call_id, "stream": stream, "offset": offset, "length": length}
+    if binary:
+        body["format"] = "binary"
+    return body
+
+
+def _binary_page(raw: bytes) -> JsonObject:
+    """A binary exec.output_page (docs/protocol.md §6.5.1), read as documented: a 4-byte
+    big-endian header length, the JSON header, then exactly header.body.bytes bytes."""
+    size = int.from_bytes(raw[:BINARY_HEADER_LENGTH_BYTES], "big")
+    end = BINARY_HEADER_LENGTH_BYTES + size
+    if len(raw) < end:
+        raise UnexpectedMessage(f"a binary message shorter than its header length ({len(raw)} bytes)")
+    try:
+        frame = _object(json.loads(raw[BINARY_HEADER_LENGTH_BYTES:end]), "a binary page header")
+    except ValueError as exc:
+        raise UnexpectedMessage(f"a binary page header that is not JSON: {exc}") from None
+    body = _object(frame.get("body"), "a binary page header's body")
+    data = raw[end:]
+    if frame.get("kind") != "exec.output_page" or body.get("bytes") != len(data):
+        raise UnexpectedMessage(f"a binary message that is not an exec.output_page of its length: {frame!r}")
+    return {**frame, "data": data}
+
+
 def _non_claiming(body: JsonObject) -> bool:
     return not body.get("ok") and body.get("error", {}).get("code") in NON_CLAIMING_CODES
 
@@ -370,9 +400,13 @@ class ControlSession:
 
     async def receive(self, timeout: float = 10.0) -> JsonObject:
         """The next frame; journaled events are stored in the client's session state.
-        UnexpectedMessage when the message is not a JSON object."""
+        UnexpectedMessage when the message is not a JSON object, or a binary message that is
+        not a binary exec.output_page. A binary page (docs/protocol.md §6.5.1) is returned as
+        its header frame with the page's bytes under "data" (beside "kind" and "body")."""
         with trio.fail_after(timeout):
             raw = await self.ws.get_message()
+        if isinstance(raw, bytes):
+            return _binary_page(raw)
         frame = _object(json.loads(raw), "a frame")
         if isinstance(frame.get("seq"), int):
             self.client.state.events.setdefault(frame["seq"], frame)
@@ -461,6 +495,68 @@ class ControlSession:
             while (body := stored()) is None:
                 await self.receive(timeout=timeout)
         return body
+
+    async def read_output(
+        self, call_id: str, stream: str, offset: int, length: int, *, binary: bool = False, timeout: float = 10.0
+    ) -> tuple[JsonObject, bytes]:
+        """One exec.read_output: the page's body and its bytes (decoded from base64 for a
+        JSON page). Raises ExecRefused when the answer is an error frame."""
+        await self.send("exec.read_output", _read_request(call_id, stream, offset, length, binary))
+        return await self._page(call_id, stream, timeout)
+
+    async def read_stream(
+        self,
+        call_id: str,
+        stream: str = "stdout",
+        *,
+        page_length: int = BINARY_PAGE_LENGTH,
+        in_flight: int = PAGES_IN_FLIGHT,
+        binary: bool = True,
+        timeout: float = 10.0,
+    ) -> tuple[bytes, JsonObject]:
+        """A whole stream from offset 0 to its end (`eof`), with up to `in_flight` requests
+        outstanding at the offsets that follow one another; the bytes and the last page's
+        body. Meant for an ended stream: while the command still writes, a short page makes
+        it ask again from where the bytes stop (polling until `timeout`). Raises
+        ExecRefused when the daemon answers with an error frame."""
+        data = bytearray()
+        next_offset = outstanding = 0
+        with trio.fail_after(timeout):
+            while True:
+                while outstanding < in_flight:
+                    await self.send("exec.read_output", _read_request(call_id, stream, next_offset, page_length, binary))
+                    next_offset += page_length
+                    outstanding += 1
+                body, page = await self._page(call_id, stream, timeout)
+                outstanding -= 1
+                if body["offset"] != len(data):
+                    raise UnexpectedMessage(f"a page at offset {body['offset']} where {len(data)} was next")
+                data += page
+                if body["eof"]:
+                    while outstanding:  # the answers to requests past the end
+                        await self._page(call_id, stream, timeout)
+                        outstanding -= 1
+                    return bytes(data), body
+                if len(page) < page_length:
+                    # The stream is still growing: what was asked past it is dropped.
+                    while outstanding:
+                        await self._page(call_id, stream, timeout)
+                        outstanding -= 1
+                    next_offset = len(data)
+
+    async def _page(self, call_id: str, stream: str, timeout: float) -> tuple[JsonObject, bytes]:
+        def answers(frame: JsonObject) -> bool:
+            body = frame.get("body")
+            if not isinstance(body, dict) or body.get("call_id") != call_id:
+                return False
+            return frame.get("kind") == "error" or (frame.get("kind") == "exec.output_page" and body.get("stream") == stream)
+
+        frame = await self.receive_until(answers, timeout)
+        body = _object(frame["body"], "a frame's body")
+        if frame["kind"] == "error":
+            raise ExecRefused(call_id, body)
+        data = frame["data"] if "data" in frame else base64.b64decode(body["data"], validate=True)
+        return body, data
 
     async def list_processes(self, timeout: float = 10.0) -> list[JsonObject]:
         """exec.list; the processes of exec.processes."""

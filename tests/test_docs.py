@@ -45,6 +45,7 @@ SECTION_CITATION = re.compile(r"§(\d+(?:\.\d+)*)")
 NON_FRAME_EXAMPLES: dict[str, Callable[[str], object]] = {
     "AssertionClaims": authority.AssertionClaims.model_validate_json,
     "JWKS": authority.load_jwks,
+    "ExecOutputPageHeaderBody": frames.ExecOutputPageHeaderBody.model_validate_json,
 }
 RESULT_MODELS = {spec.name: spec.result for spec in tools.TOOL_SPECS}
 

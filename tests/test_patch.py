@@ -774,3 +774,51 @@ def test_a_recovered_patch_gives_what_it_creates_to_the_command_user(tmp_path):
     assert created.read_bytes() == new
     assert (created.stat().st_uid, created.stat().st_gid) == nobody
     assert (created.parent.stat().st_uid, created.parent.stat().st_gid) == nobody
+
+
+def test_hunks_far_into_a_large_file_apply_exactly_and_name_the_right_line():
+    # Lines of many lengths (some longer than the block _Lines skips at a time), edits far
+    # apart and close together, and the last line without a newline: the lines between the
+    # hunks are located without being split, and must land byte for byte.
+    lines = [b"%d %s\n" % (i, b"x" * (i * 37 % 5000 if i % 97 == 0 else i % 90)) for i in range(6000)]
+    lines[-1] = lines[-1].rstrip(b"\n")
+    old = b"".join(lines)
+    edited = list(lines)
+    for where in (0, 1, 40, 41, 2000, 2035, 4500, 5999):
+        edited[where] = b"changed %d\n" % where if where != 5999 else b"changed last"
+    new = b"".join(edited)
+    diff = make_diff(old, new)
+    assert apply_unified_diff(old, diff) == DiffOutcome(new=new, hunks=diff.count("\n@@ "))
+    # A context line that differs deep in the file is reported at its own line number.
+    broken = old.replace(b"\n4502 ", b"\n4502 BROKEN ")
+    with pytest.raises(PatchError) as caught:
+        apply_unified_diff(broken, diff)
+    assert caught.value.code == PATCH_DOES_NOT_APPLY
+    assert caught.value.details["hunk"]["reason"] == "line 4503 differs from the hunk"
+
+
+def test_the_plan_joins_the_pending_calls_intent_in_one_transaction(tmp_path):
+    """apply_file_patch records its plan with StateStore.add_call_intent: the members it names
+    are set (a result recorded before is replaced, not merged), the call's own are kept, and
+    only a pending call takes it."""
+    import json
+
+    from sandbox_supervisor.daemon.runtime.tool import result_body
+    from sandbox_supervisor.daemon.state.store import StateStore, StoreError
+
+    intent = {"parameters": {"path": "f.txt"}, "cwd": "/w", "allowed_paths": None, "result": {"stale": 1}}
+    planned = {"path": "f.txt", "old_sha": "a" * 40, "new_sha": "b" * 40, "hunks": 1, "bytes": 3}
+    with StateStore.open(tmp_path / "state") as store:
+        key = owner_key("k")
+        store.begin_call(key=key, tool_name="apply_file_patch", digest="d", call_id="c-1", intent_json=json.dumps(intent))
+        store.add_call_intent(key, {"target": "/w/f.txt", "result": planned})
+        recorded = json.loads(store.call_record(key).intent_json)
+        assert recorded == {**intent, "target": "/w/f.txt", "result": planned}
+        with pytest.raises(ValueError):
+            store.add_call_intent(key, {"not a name": 1})
+        call_id = "7bc11259-f6ff-47e1-b5bc-02ddbe8c902a"
+        store.complete_call(key, result_body(call_id, "k", "apply_file_patch", result=planned))
+        with pytest.raises(StoreError):
+            store.add_call_intent(key, {"target": "/w/f.txt"})
+        with pytest.raises(StoreError):
+            store.add_call_intent(owner_key("never-claimed"), {"target": "/w/f.txt"})

@@ -117,9 +117,18 @@ TEMP_NAME_CHARS = 32
 PRIVATE_TEMP_MODE = 0o600
 # The base sha is hashed in chunks of this size, the file loaded only once it matches.
 HASH_CHUNK_BYTES = READ_CHUNK_BYTES
+# A file up to this size is read once, whole, and hashed from memory: a wrong base_sha then
+# costs at most this much memory, and a right one saves a second read and a second hash
+# (about 70 µs for 100 KB). Larger files are hashed streaming first, loaded only on a match.
+LOAD_AT_ONCE_BYTES = READ_CHUNK_BYTES
 # A directory on the way to a created file, opened to create in it, fchown and fsync it:
 # never through a symlink.
 _DIRECTORY_OPEN_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+# _Lines skips this many bytes at a time (one bytes.count) on its way to a hunk's line.
+LINE_SCAN_BLOCK_BYTES = 4096
+# ...unless the line wanted is at most this many lines ahead: then line by line at once.
+LINE_SCAN_NEAR_LINES = 32
 
 _DEV_NULL = b"/dev/null"
 _NEWLINE = b"\n"
@@ -157,6 +166,9 @@ class PatchPlan:
     # Where to write: the jail's descriptors (open while the tool runs); None for a plan of a
     # path the caller vouches for, which commit_patch opens again.
     target: JailedPath | None = field(default=None, compare=False, repr=False)
+    # The file's content as planned against (None when it is created): commit_patch compares
+    # the file with it before writing, which is cheaper than hashing it again.
+    original: bytes | None = field(default=None, compare=False, repr=False)
 
     def result(self) -> dict[str, Any]:
         """The `apply_file_patch` result (docs/protocol.md §7.5)."""
@@ -218,24 +230,105 @@ def apply_unified_diff(original: bytes | None, diff: str) -> DiffOutcome:
         raise _does_not_fit(
             "the file does not exist; a diff that creates it starts with '--- /dev/null'"
         )
-    lines = _split_lines(original or b"")
-    result: list[bytes] = []
+    lines = _Lines(original or b"")
+    pieces: list[bytes] = []
     cursor = 0  # index of the first original line not yet copied
+    emitted = 0  # lines of the new file so far
     for hunk in parsed.hunks:
-        cursor = _apply_hunk(hunk, lines, cursor, result)
-    result.extend(lines[cursor:])
-    new = b"".join(result)
+        cursor, emitted = _apply_hunk(hunk, lines, cursor, emitted, pieces)
+    pieces.append(lines.tail(cursor))
+    new = b"".join(pieces)
     if parsed.deletes:
         if new:
+            emitted += lines.count - cursor
             raise _does_not_fit(
-                f"the diff deletes the file (+++ /dev/null) but leaves {len(result)} line(s)"
+                f"the diff deletes the file (+++ /dev/null) but leaves {emitted} line(s)"
             )
         return DiffOutcome(new=None, hunks=len(parsed.hunks))
     return DiffOutcome(new=new, hunks=len(parsed.hunks))
 
 
-def _apply_hunk(hunk: _Hunk, lines: list[bytes], cursor: int, result: list[bytes]) -> int:
-    """Copy up to the hunk, check its old side, emit its new side; the new cursor."""
+class _Lines:
+    """The lines of a file (each with its b"\\n"; the last one may lack it), found lazily.
+
+    A small edit of a large file touches a few lines: the lines between hunks are copied as
+    one slice each, and a line's offset is found only when a hunk needs it, by skipping
+    blocks of LINE_SCAN_BLOCK_BYTES with bytes.count and then going line by line with
+    bytes.index; the rest of the file is never scanned (even counting all its newlines costs
+    about 35 µs for 100 KB). Splitting a 100 KB file (1,600 lines) into a list of lines took
+    about 0.2 ms, most of a small patch's CPU. Lines end at b"\\n" only, never where
+    str.splitlines would also split (\\r, \\x0b, \\x1c, \\u2028 and more).
+    """
+
+    __slots__ = ("data", "_count", "_line", "_offset", "_known")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._count: int | None = None
+        # Where the scan stands (line `_line` starts at `_offset`), and every offset found.
+        self._line = 0
+        self._offset = 0
+        self._known: dict[int, int] = {0: 0}
+
+    @property
+    def count(self) -> int:
+        """The number of lines (scans the whole file: only for what needs the total)."""
+        if self._count is None:
+            data = self.data
+            self._count = data.count(_NEWLINE) + (1 if data and not data.endswith(_NEWLINE) else 0)
+        return self._count
+
+    def has(self, lines: int) -> bool:
+        """Whether the file has at least `lines` lines (scans only up to there)."""
+        return lines == 0 or self.start(lines - 1) < len(self.data)
+
+    def start(self, index: int) -> int:
+        """Offset of line `index` (0-based); the end of the data for a line past the last."""
+        known = self._known.get(index)
+        if known is not None:
+            return known
+        line, offset = self._line, self._offset
+        if index < line:
+            # Behind the scan: only the search for a hunk's mismatched line comes back here,
+            # once, on the way to an error. From the nearest line known before it.
+            line = max(known for known in self._known if known < index)
+            offset = self._known[line]
+        data = self.data
+        end = len(data)
+        while offset < end and index - line > LINE_SCAN_NEAR_LINES:
+            in_block = data.count(_NEWLINE, offset, offset + LINE_SCAN_BLOCK_BYTES)
+            if line + in_block >= index:
+                break
+            line += in_block
+            offset = min(offset + LINE_SCAN_BLOCK_BYTES, end)
+        while line < index:
+            found = data.find(_NEWLINE, offset)
+            if found < 0:
+                # Past the last newline: a final line without one, then nothing.
+                line, offset = index, end
+                break
+            offset = found + 1
+            line += 1
+        self._line, self._offset = line, offset
+        self._known[index] = offset
+        return offset
+
+    def line(self, index: int) -> bytes:
+        return self.data[self.start(index) : self.start(index + 1)]
+
+    def span(self, first: int, end: int) -> bytes:
+        """Lines first..end-1 as one slice."""
+        return self.data[self.start(first) : self.start(end)]
+
+    def tail(self, first: int) -> bytes:
+        return self.data[self.start(first) :]
+
+
+def _apply_hunk(
+    hunk: _Hunk, lines: _Lines, cursor: int, emitted: int, pieces: list[bytes]
+) -> tuple[int, int]:
+    """Copy up to the hunk, check its old side, emit its new side: the new cursor, and the
+    new file's line count so far (`emitted` before the hunk)."""
     old = hunk.side((_CONTEXT, _REMOVED))
     new = hunk.side((_CONTEXT, _ADDED))
     # "-l,s": the hunk starts at line l; with s == 0 it inserts after line l (0: at the top).
@@ -243,25 +336,32 @@ def _apply_hunk(hunk: _Hunk, lines: list[bytes], cursor: int, result: list[bytes
     if start < cursor:
         raise hunk.fail("it overlaps the previous hunk or comes before it")
     end = start + hunk.old_len
-    if end > len(lines):
-        raise hunk.fail(f"it reaches past the end of the file ({len(lines)} lines)")
-    for offset, (expected, actual) in enumerate(zip(old, lines[start:end])):
-        if expected != actual:
-            hint = _hint(expected, actual)
-            raise hunk.fail(f"line {start + offset + 1} differs from the hunk{hint}")
-    result.extend(lines[cursor:start])
+    copied = lines.span(cursor, start)  # first: _Lines scans forward
+    if not lines.has(end):
+        raise hunk.fail(f"it reaches past the end of the file ({lines.count} lines)")
+    # Each old-side line holds exactly one b"\n", at its end (the last may have none), as the
+    # file's lines do: equal as one slice means equal line by line. Only a mismatch is
+    # looked for line by line, for the error.
+    if lines.span(start, end) != b"".join(old):
+        for offset, expected in enumerate(old):
+            actual = lines.line(start + offset)
+            if expected != actual:
+                hint = _hint(expected, actual)
+                raise hunk.fail(f"line {start + offset + 1} differs from the hunk{hint}")
+    pieces.append(copied)
+    emitted += start - cursor
     # The same convention on the new side: where the hunk's new lines land in the result.
-    expected_new_start = len(result) + 1 if hunk.new_len else len(result)
+    expected_new_start = emitted + 1 if hunk.new_len else emitted
     if hunk.new_start != expected_new_start:
         raise hunk.fail(
             f"its new side starts at line {hunk.new_start}, but it lands at line "
             f"{expected_new_start}"
         )
     for position, line in enumerate(new):
-        if not line.endswith(_NEWLINE) and (position != len(new) - 1 or end != len(lines)):
+        if not line.endswith(_NEWLINE) and (position != len(new) - 1 or end != lines.count):
             raise hunk.fail("'\\ No newline at end of file' follows a line that is not the last")
-    result.extend(new)
-    return end
+    pieces.extend(new)
+    return end, emitted + len(new)
 
 
 def _hint(expected: bytes, actual: bytes) -> str:
@@ -278,16 +378,6 @@ def _does_not_fit(reason: str) -> PatchError:
 
 def _not_a_diff(reason: str) -> PatchError:
     return PatchError(INVALID_PARAMETERS, f"diff: {reason}.")
-
-
-def _split_lines(data: bytes) -> list[bytes]:
-    """Lines with their b"\\n" (the last one may lack it); never str.splitlines, which also
-    splits on \\r, \\x0b, \\x1c, \\u2028 and more."""
-    parts = data.split(_NEWLINE)
-    lines = [part + _NEWLINE for part in parts[:-1]]
-    if parts[-1]:
-        lines.append(parts[-1])
-    return lines
 
 
 def _diff_lines(diff: str) -> list[bytes]:
@@ -480,6 +570,15 @@ def _hash_from_start(file: BinaryIO, size: int) -> str:
     return digest.hexdigest()
 
 
+def _read_exactly(file: BinaryIO, size: int) -> bytes:
+    """The first `size` bytes (the fstat's size): the read stops there even if the file keeps
+    growing, and a file that shrank meanwhile is reported, as `_hash_from_start` does."""
+    data = file.read(size)
+    if len(data) != size:
+        raise _changed_while_read()
+    return data
+
+
 def current_sha(target: Target, *, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> str:
     """Git blob sha of the file at `target`; ZERO_SHA when there is none (crash recovery).
     Streamed, never loaded; file_too_large over `max_file_bytes`."""
@@ -521,13 +620,19 @@ def plan_patch(
         mode = stat.S_IMODE(info.st_mode)
         owner = (info.st_uid, info.st_gid)
         with opened as file:
-            old_sha = _hash_from_start(file, info.st_size)
-            if old_sha == params.base_sha:
-                file.seek(0)
-                original = file.read(info.st_size)
-        if original is not None and git_blob_sha(original) != old_sha:
-            # Rewritten between the hash and the load: the loaded bytes are the file now.
-            old_sha = git_blob_sha(original)
+            if info.st_size <= LOAD_AT_ONCE_BYTES:
+                loaded = _read_exactly(file, info.st_size)
+                old_sha = git_blob_sha(loaded)
+                if old_sha == params.base_sha:
+                    original = loaded
+            else:
+                old_sha = _hash_from_start(file, info.st_size)
+                if old_sha == params.base_sha:
+                    file.seek(0)
+                    original = file.read(info.st_size)
+                if original is not None and git_blob_sha(original) != old_sha:
+                    # Rewritten between the hash and the load: the loaded bytes are the file now.
+                    old_sha = git_blob_sha(original)
     if old_sha != params.base_sha:
         raise PatchError(
             BASE_SHA_MISMATCH,
@@ -554,6 +659,7 @@ def plan_patch(
         mode=mode,
         owner=owner,
         target=target if isinstance(target, JailedPath) else None,
+        original=original,
     )
 
 
@@ -597,7 +703,7 @@ def _commit(
             name = jailed.tail[-1]
         else:
             directory, name = jailed.parent_fd, jailed.name
-        now = ZERO_SHA if directory is None else _sha_at(directory, name, max_file_bytes)
+        now = ZERO_SHA if directory is None else _sha_at(directory, name, max_file_bytes, plan)
         if now != plan.old_sha:
             raise PatchError(
                 BASE_SHA_MISMATCH,
@@ -619,8 +725,13 @@ def _commit(
             os.close(fd)
 
 
-def _sha_at(directory: int, name: str, max_file_bytes: int) -> str:
-    """Git blob sha of `name` in `directory` (never through a symlink); ZERO_SHA if absent."""
+def _sha_at(directory: int, name: str, max_file_bytes: int, plan: PatchPlan) -> str:
+    """Git blob sha of `name` in `directory` (never through a symlink); ZERO_SHA if absent.
+
+    When the file still holds exactly the bytes the plan was made against, their sha is the
+    plan's old_sha, known without hashing: a small file is read and compared instead (a read
+    and a memcmp against a SHA-1, about 10 µs against 70 µs for 100 KB). Equal bytes have
+    equal shas, so the answer is the one hashing would give."""
     fd = open_entry(directory, name, "The file was replaced by a symlink while it was patched; nothing was written.")
     if fd is None:
         return ZERO_SHA
@@ -628,6 +739,10 @@ def _sha_at(directory: int, name: str, max_file_bytes: int) -> str:
         info = os.fstat(fd)
         check_regular_file(info.st_mode)
         check_size(info, max_file_bytes)
+        expected = plan.original
+        if expected is not None and info.st_size == len(expected) and info.st_size <= LOAD_AT_ONCE_BYTES:
+            now = _read_exactly(file, info.st_size)
+            return plan.old_sha if now == expected else git_blob_sha(now)
         return _hash_from_start(file, info.st_size)
 
 

@@ -17,8 +17,10 @@ from sandbox_supervisor.protocol.frames import (
     ExecListFrame,
     ExecOutputPageBody,
     ExecOutputPageFrame,
+    ExecOutputPageHeaderBody,
     ExecProcessesBody,
     ExecProcessesFrame,
+    ExecReadOutputBody,
     ExecReadOutputFrame,
     ExecResizeFrame,
     ExecSignalFrame,
@@ -26,6 +28,7 @@ from sandbox_supervisor.protocol.frames import (
     ExecStdinAckFrame,
     ExecWriteStdinFrame,
     ServerFrameModel,
+    encode_binary_page,
 )
 from sandbox_supervisor.daemon.runtime.audience import audience_for
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
@@ -63,9 +66,10 @@ class Runtime:
         resolved by the jail's walk from the opened agent.cwd."""
         return audience_for(self.calls.roots, scopes, allowed_paths, allowed_commands, cwd)
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | None:
-        """The exec.* frames (docs/protocol.md §7.4.6, §7.4.7, §7.7): an answer frame, or
-        None (a signal sent, a resize done). `audience`: what the sending socket may see;
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | bytes | None:
+        """The exec.* frames (docs/protocol.md §7.4.6, §7.4.7, §7.7): an answer frame, a
+        binary message (a binary exec.output_page, §6.5.1), or None (a signal sent, a resize
+        done). `audience`: what the sending socket may see;
         it acts only on processes it may see."""
         if isinstance(frame, ExecListFrame):
             listed = [] if self.processes is None else self.processes.listing(audience)
@@ -87,23 +91,41 @@ class Runtime:
             code = self.shell.signal_command(call_id, frame.body.signal)
             return None if code is None else _error(code, call_id)
         if isinstance(frame, ExecReadOutputFrame):
-            read = frame.body
-            page = self.shell.read_output(read.call_id, read.stream, read.offset, read.length)
-            if page is None:
-                return _error(errors.UNKNOWN_CALL, call_id)
-            return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(page))
+            return self._page(frame.body, None)
         # stdin and resize exist only for held processes; a command's stdin is /dev/null.
         code = errors.NOT_RUNNING if self.shell.known_call(call_id) else errors.UNKNOWN_CALL
         return _error(code, call_id)
 
-    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | None:
+    def _page(self, read: ExecReadOutputBody, writer_alive: bool | None) -> ServerFrameModel | bytes:
+        """exec.read_output's answer: the page as JSON (base64), or as a binary message when
+        the request asks for one (no base64, no JSON string: docs/protocol.md §6.5.1)."""
+        page = self.shell.read_page(read.call_id, read.stream, read.offset, read.length, writer_alive=writer_alive)
+        if page is None:
+            return _error(errors.UNKNOWN_CALL, read.call_id)
+        if read.binary:
+            header = ExecOutputPageHeaderBody(
+                call_id=read.call_id,
+                stream=read.stream,
+                offset=read.offset,
+                bytes=len(page.data),
+                eof=page.eof,
+                truncated=page.truncated,
+            )
+            return encode_binary_page(header, page.data)
+        body = {
+            "call_id": read.call_id,
+            "stream": read.stream,
+            "offset": read.offset,
+            "data": base64.b64encode(page.data).decode("ascii"),
+            "eof": page.eof,
+            "truncated": page.truncated,
+        }
+        return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(body))
+
+    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | bytes | None:
         call_id = held.call_id
         if isinstance(frame, ExecReadOutputFrame):
-            read = frame.body
-            page = self.shell.read_output(read.call_id, read.stream, read.offset, read.length, writer_alive=held.exit is None)
-            if page is None:
-                return _error(errors.UNKNOWN_CALL, call_id)
-            return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(page))
+            return self._page(frame.body, held.exit is None)
         if isinstance(frame, ExecSignalFrame):
             code = await processes.send_signal(held, frame.body.signal)
         elif isinstance(frame, ExecResizeFrame):

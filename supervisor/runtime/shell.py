@@ -14,7 +14,6 @@ throttled live view), `spool` (the lossless record).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
 import os
@@ -54,6 +53,7 @@ from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup, signal_group
 from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
+    SpoolPage,
     read_origin,
     read_range,
     spool_dir,
@@ -690,12 +690,12 @@ class ShellRuntime:
     def known_call(self, call_id: str) -> bool:
         return spool_dir(self.settings.state_dir, call_id).is_dir()
 
-    def read_output(
+    def read_page(
         self, call_id: str, stream: Stream, offset: int, length: int, *, writer_alive: bool | None = None
-    ) -> dict[str, Any] | None:
-        """An exec.output_page body, or None for an unknown call. `writer_alive`: whether
-        more bytes may come, when the caller knows (a held process's holder writes them);
-        else a command of this runtime's."""
+    ) -> SpoolPage | None:
+        """The spool page for exec.read_output, or None for an unknown call. `writer_alive`:
+        whether more bytes may come, when the caller knows (a held process's holder writes
+        them); else a command of this runtime's."""
         if not self.known_call(call_id):
             return None
         if writer_alive is None:
@@ -703,19 +703,11 @@ class ShellRuntime:
             # An adopted command's host writes its spool until the call completes.
             writer_alive = call_id in self.adopted or (command is not None and command.output.writer_alive(stream))
         try:
-            page = read_range(
+            return read_range(
                 stream_path(self.settings.state_dir, call_id, stream), offset, length, writer_alive=writer_alive
             )
         except SpoolNotFound:
             return None
-        return {
-            "call_id": call_id,
-            "stream": stream,
-            "offset": offset,
-            "data": base64.b64encode(page.data).decode("ascii"),
-            "eof": page.eof,
-            "truncated": page.truncated,
-        }
 
     # --- stop ----------------------------------------------------------------------------
 

@@ -26,6 +26,10 @@ from sandbox_supervisor.daemon.telemetry import Telemetry
 # Bounded: a client that floods requests without reading replies is slowed at its own
 # reader (back-pressure), never allowed to grow the daemon's memory.
 REPLY_QUEUE_SIZE = 64
+# ...and bounded in size: a binary output page is up to 1 MiB (protocol/frames.py), so 64 of
+# them would be 64 MiB. A reply waits while the queue holds this much (a single larger one
+# still goes through alone).
+REPLY_QUEUE_MAX_CHARS = 4 * 1024 * 1024
 # Large enough that a 100,000-event replay costs few queries, small enough to bound memory:
 # at most this many events, and a batch ends once it holds EVENT_BATCH_MAX_CHARS (one event
 # can be ~400 KB once JSON-escaped: a read_file page of control characters).
@@ -78,7 +82,9 @@ class SocketSender:
         self._replay_until = journal.last_seq
         self._journal = journal
         self.cursor = cursor  # the highest seq sent (or known to the client) so far
-        self._reply_in, self._reply_out = trio.open_memory_channel[str](REPLY_QUEUE_SIZE)
+        self._reply_in, self._reply_out = trio.open_memory_channel[str | bytes](REPLY_QUEUE_SIZE)
+        self._queued_chars = 0  # characters (or bytes, of a binary reply) in the reply queue
+        self._dequeued = trio.Event()  # set (and replaced) each time a reply leaves the queue
         self._wake = trio.Event()
         # Set (and replaced) each time the cursor moves, and once the sender stops: what
         # `flush` waits on.
@@ -102,8 +108,12 @@ class SocketSender:
         else:
             self._wake.set()
 
-    async def reply(self, text: str) -> None:
-        """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…)."""
+    async def reply(self, text: str | bytes) -> None:
+        """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…);
+        bytes go as a binary message (a binary exec.output_page)."""
+        while self._queued_chars and self._queued_chars + len(text) > REPLY_QUEUE_MAX_CHARS:
+            await self._dequeued.wait()
+        self._queued_chars += len(text)
         try:
             # Room in the queue (the usual case): queued without a checkpoint, so the reply
             # and whatever the same step journals go out in this task's next pass together.
@@ -195,9 +205,12 @@ class SocketSender:
         self._busy = True
         try:
             texts = self._take_replies()
+            # Replies go before events (a bind's runtime.state before its replay): while
+            # some are still queued, this pass sends replies only.
+            replies_left = self._reply_out.statistics().current_buffer_used
             rows = (
                 self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
-                if self.cursor < self._journal.last_seq
+                if self.cursor < self._journal.last_seq and not replies_left
                 else []
             )
             if not texts and not rows:
@@ -227,16 +240,26 @@ class SocketSender:
         while not self.stopped and not self.sent_through(seq):
             await self._progress.wait()
 
-    def _take_replies(self) -> list[str]:
-        """Every queued reply, in order (the queue is bounded: at most REPLY_QUEUE_SIZE)."""
-        texts: list[str] = []
-        while True:
+    def _take_replies(self) -> list[str | bytes]:
+        """The queued replies, in order, up to one write's worth (WRITE_BATCH_MAX_BYTES, at
+        least one reply): what is taken leaves the queue's count at once, so the replies held
+        in memory stay within REPLY_QUEUE_MAX_CHARS plus one write."""
+        texts: list[str | bytes] = []
+        taken = 0
+        while taken < WRITE_BATCH_MAX_BYTES:
             try:
-                texts.append(self._reply_out.receive_nowait())
+                text = self._reply_out.receive_nowait()
             except trio.WouldBlock:
-                return texts
+                break
+            self._queued_chars -= len(text)
+            taken += len(text)
+            texts.append(text)
+        if texts:
+            self._dequeued.set()
+            self._dequeued = trio.Event()
+        return texts
 
-    async def _send(self, texts: Sequence[str]) -> None:
+    async def _send(self, texts: Sequence[str | bytes]) -> None:
         """Frames in order, each write within the write timeout. A write cut short leaves a
         partial frame on the stream, so the socket is not used again: _Stalled ends the
         sender."""
@@ -248,12 +271,12 @@ class SocketSender:
 
 async def send_messages(
     ws: trio_websocket.WebSocketConnection,
-    texts: Sequence[str],
+    texts: Sequence[str | bytes],
     *,
     deadline_scope: trio.CancelScope | None = None,
     write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
 ) -> None:
-    """Send `texts` as consecutive WebSocket text messages, joined into socket writes of up
+    """Send `texts` as consecutive WebSocket messages (text, or binary for bytes), joined into socket writes of up
     to WRITE_BATCH_MAX_BYTES (what `ws.send_message` would put on the stream, byte for byte,
     in fewer system calls). With `deadline_scope`, each write gets `write_timeout_s` from
     its start: the timeout measures the peer's progress, not the size of the burst.
@@ -267,7 +290,8 @@ async def send_messages(
     pending: list[bytes] = []
     size = 0
     for index, text in enumerate(texts):
-        data = ws._wsproto.send(wsproto.events.TextMessage(data=text))
+        message = wsproto.events.BytesMessage(data=text) if isinstance(text, bytes) else wsproto.events.TextMessage(data=text)
+        data = ws._wsproto.send(message)
         pending.append(data)
         size += len(data)
         if size >= WRITE_BATCH_MAX_BYTES or index == len(texts) - 1:

@@ -80,7 +80,7 @@ class RuntimePort(Protocol):
         self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool]
     ) -> None: ...
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | None: ...
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | bytes | None: ...
 
     def audience(
         self,
@@ -226,7 +226,7 @@ class ControlSocket:
             return None
         return message
 
-    async def _send_now(self, text: str) -> bool:
+    async def _send_now(self, text: str | bytes) -> bool:
         """Write directly (before the sender exists, and for a rejection)."""
         try:
             await self.conn.ws.send_message(text)
@@ -281,7 +281,8 @@ class ControlSocket:
             elif isinstance(action, RunExec):
                 answer = await self.services.runtime.exec_frame(action.frame, self._socket_audience())
                 if answer is not None:
-                    await self._reply(encode_frame(answer))
+                    # bytes: a binary exec.output_page, sent as a binary message (§6.5.1).
+                    await self._reply(answer if isinstance(answer, bytes) else encode_frame(answer))
             elif isinstance(action, Bind):
                 services = self.services
                 outcome = bootstrap.bind(
@@ -298,7 +299,7 @@ class ControlSocket:
                 return False
         return True
 
-    async def _reply(self, text: str) -> None:
+    async def _reply(self, text: str | bytes) -> None:
         if self.sender is not None:
             await self.sender.reply(text)
         else:

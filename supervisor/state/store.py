@@ -1240,6 +1240,26 @@ class StateStore:
         self._journaled_through = last_seq + len(rows)  # recorded outside once committed
         return rows
 
+    def add_call_intent(self, key: CallKey, fields: dict[str, Any]) -> None:
+        """Add `fields` (top-level members, replaced if present) to a pending call's intent
+        in one write transaction: what `call_record` then `set_call_intent` did in two (a
+        patch records its plan this way, right before it writes the file)."""
+        assignments = []
+        values: list[str] = []
+        for name, value in fields.items():
+            if not name.isidentifier():
+                raise ValueError(f"intent member {name!r} is not a plain name")
+            assignments.append(f"'$.{name}', json(?)")
+            values.append(json.dumps(value))
+        with self._transaction() as conn:
+            updated = conn.execute(
+                f"UPDATE idempotency SET intent_json = json_set(COALESCE(intent_json, '{{}}'), {', '.join(assignments)})"
+                " WHERE space = ? AND key = ? AND state = 'pending'",
+                (*values, *key),
+            ).rowcount
+        if updated != 1:
+            raise StoreError(f"no pending call with key {key!r}")
+
 
 Row = TypeVar("Row", tuple[int, str], JournalRow)
 

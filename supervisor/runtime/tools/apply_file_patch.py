@@ -72,13 +72,12 @@ async def apply(running: RunningCall, services: ToolServices) -> dict[str, Any]:
         with open_in_jail(root, params.path, ctx.allowed_paths, READ_FLAGS) as target:
             running.view_path = str(target.real_path)
             plan = plan_patch(target, params.path, params, max_file_bytes=services.max_file_bytes)
+            result = plan.result()
             if key is not None:
-                record = store.call_record(key)
-                intent = json.loads(record.intent_json or "{}") if record else {}
-                intent.update({"target": str(plan.path), "result": plan.result()})
-                store.set_call_intent(key, json.dumps(intent))
+                # One transaction: the plan joins the intent begin_call recorded.
+                store.add_call_intent(key, {"target": str(plan.path), "result": result})
             commit_patch(plan, max_file_bytes=services.max_file_bytes, new_owner=services.file_owner)
-            return plan.result()
+            return result
 
     async with services.file_write_lock:
         try:
