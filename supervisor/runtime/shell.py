@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -45,7 +46,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
 )
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
-from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost
+from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost, SpawnFailed
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec, TerminalSize
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
@@ -62,6 +63,11 @@ from sandbox_supervisor.daemon.runtime.spool import (
 )
 
 log = structlog.get_logger("supervisor.shell")
+
+# Spawns of one command when its cgroup vanishes before the host's child joins it (removed
+# from outside, `shell.cgroup_removed`): the second gets a fresh one; a third would only
+# race the same remover again.
+CGROUP_SPAWN_ATTEMPTS = 2
 
 # After the shell exits, descendants it put in the background may still hold the pipes;
 # completion waits this long for them to close before it is reported (§7.4.3).
@@ -512,21 +518,46 @@ class ShellRuntime:
         cgroup: CommandCgroup | None = None
         try:
             cgroups = self.settings.cgroups
-            if cgroups is not None and cgroups.enabled:
-                # Blocking, but a few mkdir/writes on a kernel file system.
-                cgroup = cgroups.create(call_id)
-            group = await ProcessGroup.hosted(
-                self.host,
-                call_id,
-                spool_dir(self.settings.state_dir, call_id),
-                self._spec(params, cwd, env, login, cgroup),
-                cgroup,
-            )
+            for attempt in range(CGROUP_SPAWN_ATTEMPTS):
+                if cgroups is not None and cgroups.enabled:
+                    restored = cgroups.bases_restored
+                    # Blocking, but a few mkdir/writes on a kernel file system.
+                    cgroup = cgroups.create(call_id)
+                    if cgroups.bases_restored != restored:
+                        log.warning("shell.cgroup_base_restored", call_id=call_id)
+                try:
+                    group = await ProcessGroup.hosted(
+                        self.host,
+                        call_id,
+                        spool_dir(self.settings.state_dir, call_id),
+                        self._spec(params, cwd, env, login, cgroup),
+                        cgroup,
+                    )
+                    break
+                except SpawnFailed as exc:
+                    # The command's cgroup was removed between its mkdir and the join (an
+                    # empty cgroup is anyone's to remove: see Cgroups.create). The host's
+                    # child stopped before exec, so nothing ran: made again, spawned again.
+                    if cgroup is None or exc.stage != "cgroup" or exc.errno != errno.ENOENT:
+                        raise
+                    if attempt + 1 == CGROUP_SPAWN_ATTEMPTS:
+                        raise
+                    log.warning("shell.cgroup_removed", call_id=call_id)
+                    cgroup.remove()
+                    cgroup = None
         except BaseException as exc:
             output.close()
             if cgroup is not None:
                 cgroup.remove()
             if isinstance(exc, OSError):  # SpawnFailed included: the host said why
+                # Logged with the stage the host names (cwd, exec, cgroup, …): the answer
+                # carries only the strerror.
+                log.warning(
+                    "shell.spawn_failed",
+                    call_id=call_id,
+                    stage=exc.stage if isinstance(exc, SpawnFailed) else "daemon",
+                    errno=errno.errorcode.get(exc.errno or 0, exc.errno),
+                )
                 raise start_failure(exc) from None
             raise
         command = Command(call_id, group, output, started=trio.current_time())
