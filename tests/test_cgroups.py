@@ -612,6 +612,42 @@ async def test_a_command_cgroup_removed_before_the_join_is_made_again(tmp_path, 
     assert "shell.spawn_failed" not in events
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_cgroup_removed_on_every_attempt_frees_the_key(tmp_path, authority, log_lines, monkeypatch, mode):
+    """When the clean-up wins both attempts the call fails `internal`, but nothing ran and
+    the failure says nothing about the call: the key is freed, so the same call sent again
+    with the same key runs (a new execution, not a replay of the failure)."""
+    original = ProcessGroup.hosted.__func__  # type: ignore[attr-defined]
+    removing = [True]
+
+    async def hosted(cls, host, call_id, directory, spec, cgroup=None):  # type: ignore[no-untyped-def]
+        if removing[0] and cgroup is not None:
+            remove_empty({Path(d).parent for d in cgroup.directories()})
+        return await original(cls, host, call_id, directory, spec, cgroup)
+
+    monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        marker = layout.workspace / "ran"
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                params = {"command": "echo x >> ran"}
+                failed = await session.call_and_wait("execute_shell_command", params, idempotency_key="k1")
+                assert not marker.exists()
+                removing[0] = False
+                again = await session.call_and_wait("execute_shell_command", params, idempotency_key="k1")
+    assert not failed["ok"] and failed["error"]["code"] == "internal", failed
+    assert again["ok"], again
+    assert again["call_id"] != failed["call_id"]  # run anew, not the failure replayed
+    assert marker.read_text() == "x\n"
+    spawn_failed = [line for line in log_lines() if line["event"] == "shell.spawn_failed"]
+    assert [(line["stage"], line["errno"]) for line in spawn_failed] in ([("cgroup", "ENOENT")], [("cgroup", "ENODEV")])
+
+
 # --- held processes (start_process, docs/protocol.md §7.7) -------------------------------------
 
 

@@ -68,6 +68,9 @@ log = structlog.get_logger("supervisor.shell")
 # from outside, `shell.cgroup_removed`): the second gets a fresh one; a third would only
 # race the same remover again.
 CGROUP_SPAWN_ATTEMPTS = 2
+# What the host's join fails with when the command's cgroup is gone (ENOENT) or being
+# removed (ENODEV).
+CGROUP_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV})
 
 # After the shell exits, descendants it put in the background may still hold the pipes;
 # completion waits this long for them to close before it is reported (§7.4.3).
@@ -516,13 +519,18 @@ class ShellRuntime:
                 output.close()
                 raise start_failure(exc) from None
         cgroup: CommandCgroup | None = None
+        vanished = False  # the failure is a cgroup removed from outside: nothing ran
         try:
             cgroups = self.settings.cgroups
             for attempt in range(CGROUP_SPAWN_ATTEMPTS):
                 if cgroups is not None and cgroups.enabled:
                     restored = cgroups.bases_restored
-                    # Blocking, but a few mkdir/writes on a kernel file system.
-                    cgroup = cgroups.create(call_id)
+                    try:
+                        # Blocking, but a few mkdir/writes on a kernel file system.
+                        cgroup = cgroups.create(call_id)
+                    except FileNotFoundError:
+                        vanished = True  # its base again, right after it was made again
+                        raise
                     if cgroups.bases_restored != restored:
                         log.warning("shell.cgroup_base_restored", call_id=call_id)
                 try:
@@ -538,9 +546,10 @@ class ShellRuntime:
                     # The command's cgroup was removed between its mkdir and the join (an
                     # empty cgroup is anyone's to remove: see Cgroups.create). The host's
                     # child stopped before exec, so nothing ran: made again, spawned again.
-                    if cgroup is None or exc.stage != "cgroup" or exc.errno != errno.ENOENT:
+                    if cgroup is None or exc.stage != "cgroup" or exc.errno not in CGROUP_GONE_ERRNOS:
                         raise
                     if attempt + 1 == CGROUP_SPAWN_ATTEMPTS:
+                        vanished = True
                         raise
                     log.warning("shell.cgroup_removed", call_id=call_id)
                     cgroup.remove()
@@ -558,7 +567,11 @@ class ShellRuntime:
                     stage=exc.stage if isinstance(exc, SpawnFailed) else "daemon",
                     errno=errno.errorcode.get(exc.errno or 0, exc.errno),
                 )
-                raise start_failure(exc) from None
+                failure = start_failure(exc)
+                # Removed from outside on every attempt: it says nothing about the call and
+                # nothing ran, so the key is freed, as for a shortage (a retry runs it).
+                failure.frees_key = failure.frees_key or vanished
+                raise failure from None
             raise
         command = Command(call_id, group, output, started=trio.current_time())
         self.commands[call_id] = command
