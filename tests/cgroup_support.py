@@ -117,6 +117,12 @@ def base_directories() -> list[Path]:
     return found
 
 
+def bases_named_under(root: Path) -> set[str]:
+    """The base names (cgroups.base_name) of every directory under `root`, which holds the
+    state directories of the daemons the suite started."""
+    return {cgroups.base_name(directory) for directory, _dirs, _files in os.walk(root)}
+
+
 def remove_empty(bases: set[Path]) -> None:
     """Remove the command cgroups without processes under each base, then the base (rmdir
     refuses any that still holds a process or a child)."""

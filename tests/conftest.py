@@ -22,13 +22,17 @@ FAST_WEBSOCKET = {"handshake_timeout_s": 2.0, "drain_budget_s": 0.5}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_cgroups_left_behind() -> Iterator[None]:
+def _no_cgroups_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Daemons the suite kills with SIGKILL (crash tests) never remove their command cgroups,
     and each test's state directory names its own (runtime/cgroups.py base_name): remove the
-    empty ones the run made in the machine's hierarchies, so runs do not pile them up."""
+    empty ones the run made in the machine's hierarchies, so runs do not pile them up. Only
+    those of state directories under this run's temporary root: another daemon that started
+    meanwhile (a benchmark, another suite) has an empty base between its commands too, and
+    removing it failed its next spawn (`internal` `No such file or directory`)."""
     before = set(cgroup_support.base_directories())
     yield
-    cgroup_support.remove_empty(set(cgroup_support.base_directories()) - before)
+    ours = cgroup_support.bases_named_under(tmp_path_factory.getbasetemp())
+    cgroup_support.remove_empty({base for base in set(cgroup_support.base_directories()) - before if base.name in ours})
 
 
 @pytest.fixture(scope="session")

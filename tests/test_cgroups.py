@@ -20,7 +20,9 @@ from cgroup_support import (
     cgroup1_unavailable,
     cgroup2_unavailable,
     kill_quietly,
+    auto_mode,
     private_cgroup2,
+    remove_empty,
     v1_memory_unavailable,
 )
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, ExecCompletedBody
@@ -35,6 +37,7 @@ from sandbox_supervisor.daemon.runtime.cgroups import (
     parse_mountinfo,
     parse_proc_cgroup,
 )
+from sandbox_supervisor.daemon.runtime.process_group import ProcessGroup
 from sandbox_supervisor.daemon.runtime.processes import read_stat
 from sandbox_supervisor.daemon.runtime.recovery import kill_leftover_groups
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
@@ -518,6 +521,131 @@ async def test_cgroup_off_reports_process_groups(tmp_path, authority):
         health = json.loads((await http_request(daemon.tcp, "GET", "/healthz")).body)
     assert health["isolation"] == {"mode": "process-group", "memoryMax": None, "pidsMax": None}
 
+
+
+# --- cgroups removed from outside while the daemon runs ----------------------------------------
+
+
+def daemon_bases(mode: str, root: Path | None, state_dir: Path) -> list[Path]:
+    """The daemon's base directories (runtime/cgroups.py base_name), in each hierarchy."""
+    name = cgroups.base_name(state_dir)
+    if mode == "cgroup2":
+        assert root is not None
+        return [root / name]
+    return [Path(parent) / name for parent in auto_mode().v1_parents.values() if (Path(parent) / name).is_dir()]
+
+
+async def wait_childless(bases: list[Path]) -> None:
+    """Until the last command's cgroup is gone (removed once its command ended)."""
+    with trio.fail_after(DEADLINE_S):
+        while any(child.is_dir() for base in bases for child in base.iterdir()):
+            await trio.sleep(POLL_S)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_base_removed_from_outside_between_commands_is_made_again(tmp_path, authority, log_lines, mode):
+    """Between commands the daemon's base directory is empty, and root's clean-up of empty
+    `sandbox-supervisor.*` directories (tests/conftest.py's, before it was limited to the
+    suite's own) took it: every later spawn failed `internal` `No such file or directory`."""
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {"pids_max": 64}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                first = await session.call_and_wait("execute_shell_command", {"command": "true"}, idempotency_key="k1")
+                assert first["ok"], first
+                bases = daemon_bases(mode, root, layout.state_dir)
+                assert bases
+                await wait_childless(bases)
+                remove_empty(set(bases))  # the outside clean-up
+                assert not any(base.is_dir() for base in bases)
+                second = await session.call_and_wait(
+                    "execute_shell_command", {"command": "cat /proc/self/cgroup; cat /proc/self/cgroup >&2"},
+                    idempotency_key="k2",
+                )
+    assert second["ok"], second
+    assert second["result"]["exit_code"] == 0
+    name = cgroups.base_name(layout.state_dir)
+    assert name in json.dumps(second["result"]["stdout"]), second  # in its cgroup, below the base made again
+    events = [line["event"] for line in log_lines()]
+    assert "shell.cgroup_base_restored" in events
+    assert "shell.spawn_failed" not in events
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_command_cgroup_removed_before_the_join_is_made_again(tmp_path, authority, log_lines, monkeypatch, mode):
+    """The same clean-up between the command cgroup's mkdir and the host's join (forced here
+    by running it right before the spawn request): the host's child fails at its `cgroup`
+    stage, before exec, so the command is spawned again in a fresh cgroup, once."""
+    original = ProcessGroup.hosted.__func__  # type: ignore[attr-defined]
+    removed: list[str] = []
+
+    async def hosted(cls, host, call_id, directory, spec, cgroup=None):  # type: ignore[no-untyped-def]
+        if not removed and cgroup is not None:
+            removed.append(call_id)
+            remove_empty({Path(d).parent for d in cgroup.directories()})  # its cgroup, then the base
+            assert not Path(cgroup.membership).exists()
+        return await original(cls, host, call_id, directory, spec, cgroup)
+
+    monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                answer = await session.call_and_wait(
+                    "execute_shell_command", {"command": "cat /proc/self/cgroup"}, idempotency_key="k1"
+                )
+    assert removed, "the clean-up never ran"
+    assert answer["ok"], answer
+    assert answer["result"]["exit_code"] == 0
+    assert cgroups.base_name(layout.state_dir) in json.dumps(answer["result"]["stdout"]), answer
+    events = [line["event"] for line in log_lines()]
+    assert events.count("shell.cgroup_removed") == 1
+    assert "shell.cgroup_base_restored" in events
+    assert "shell.spawn_failed" not in events
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_cgroup_removed_on_every_attempt_frees_the_key(tmp_path, authority, log_lines, monkeypatch, mode):
+    """When the clean-up wins both attempts the call fails `internal`, but nothing ran and
+    the failure says nothing about the call: the key is freed, so the same call sent again
+    with the same key runs (a new execution, not a replay of the failure)."""
+    original = ProcessGroup.hosted.__func__  # type: ignore[attr-defined]
+    removing = [True]
+
+    async def hosted(cls, host, call_id, directory, spec, cgroup=None):  # type: ignore[no-untyped-def]
+        if removing[0] and cgroup is not None:
+            remove_empty({Path(d).parent for d in cgroup.directories()})
+        return await original(cls, host, call_id, directory, spec, cgroup)
+
+    monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
+    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
+        settings: dict[str, Any] = {}
+        if root is not None:
+            settings["cgroup_root"] = str(root)
+        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        marker = layout.workspace / "ran"
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                params = {"command": "echo x >> ran"}
+                failed = await session.call_and_wait("execute_shell_command", params, idempotency_key="k1")
+                assert not marker.exists()
+                removing[0] = False
+                again = await session.call_and_wait("execute_shell_command", params, idempotency_key="k1")
+    assert not failed["ok"] and failed["error"]["code"] == "internal", failed
+    assert again["ok"], again
+    assert again["call_id"] != failed["call_id"]  # run anew, not the failure replayed
+    assert marker.read_text() == "x\n"
+    spawn_failed = [line for line in log_lines() if line["event"] == "shell.spawn_failed"]
+    assert [(line["stage"], line["errno"]) for line in spawn_failed] in ([("cgroup", "ENOENT")], [("cgroup", "ENODEV")])
 
 
 # --- held processes (start_process, docs/protocol.md §7.7) -------------------------------------

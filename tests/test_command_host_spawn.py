@@ -208,6 +208,55 @@ def test_failures_name_their_stage_and_nothing_runs(tmp_path, monkeypatch):
     assert own_state() == before
 
 
+NOBODY = 65534
+
+
+def stage_as_nobody(spawn_name: str, spec: HolderSpec) -> str:
+    """`stage:errno` of a spawn by a process running as nobody (so that switching to root's
+    ids fails in the child), with `command_host.Spawner().spawn` or `holder.spawn`."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        answer = "none:0"
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            spawn = command_host.Spawner().spawn if spawn_name == "popen" else holder.spawn
+            stdio = holder.open_stdio(spec)
+            try:
+                spawn(spec, stdio)
+                answer = "ran:0"
+            except holder.SpawnError as exc:
+                answer = f"{exc.stage}:{exc.errno}"
+        except BaseException as exc:  # noqa: BLE001 - reported, not raised, in a forked child
+            answer = f"error:{exc!r}"
+        finally:
+            os.write(write_end, answer.encode())
+            os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb") as reader:
+            answer = reader.read().decode()
+    finally:
+        os.waitpid(pid, 0)
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to nobody: needs root")
+def test_a_refused_switch_of_ids_is_the_identity_stage_as_in_the_old_spawn(tmp_path):
+    """Popen names the cwd for any failure of its child before exec: a refused setuid was
+    reported as the `cwd` stage, as if the directory were the trouble."""
+    marker = tmp_path / "ran"  # root's to write: the command would run as root
+    spec = HolderSpec(
+        argv=("/bin/sh", "-c", f"touch {marker}"), cwd="/", env=ENV, stdin="null", uid=0, gid=0, groups=()
+    )
+    assert stage_as_nobody("popen", spec) == f"identity:{errno.EPERM}"
+    assert stage_as_nobody("holder", spec) == f"identity:{errno.EPERM}"
+    assert not marker.exists()
+
+
 @pytest.mark.skipif(bool(cgroup2_unavailable()), reason=str(cgroup2_unavailable()))
 def test_a_cgroup_that_refuses_the_command_stops_the_spawn_and_the_host_goes_home(tmp_path, monkeypatch):
     marker = tmp_path / "ran"

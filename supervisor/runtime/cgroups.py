@@ -541,6 +541,8 @@ class Cgroups:
         self._v2_base: str | None = None
         self._v1_bases: dict[str, str] = {}
         self._v2_limits: frozenset[str] = frozenset()
+        # Times `create` found a base directory removed under it and made it again.
+        self.bases_restored = 0
 
     @property
     def mode(self) -> str:
@@ -595,7 +597,37 @@ class Cgroups:
             self._v1_bases[name] = base
 
     def create(self, name: str) -> CommandCgroup:
-        """A new cgroup for one command, limits set (OSError: nothing is left behind)."""
+        """A new cgroup for one command, limits set (OSError: nothing is left behind).
+
+        A base directory found missing (ENOENT from the command's mkdir) is made again and
+        the creation tried once more; `bases_restored` counts it. Between commands a base is
+        empty, and an empty cgroup is anyone's to remove: root's clean-up of "leftover"
+        `sandbox-supervisor.*` directories (a test suite's, another daemon's) took this live
+        daemon's for one, and until the next start every spawn then failed with `internal`
+        `No such file or directory`."""
+        try:
+            return self._create(name)
+        except FileNotFoundError:
+            if not self._restore_bases():
+                raise
+        return self._create(name)
+
+    def _restore_bases(self) -> bool:
+        """Make the base directories that are gone again, as `prepare` did (for cgroup2 the
+        limit controllers enabled below it); False when none was missing."""
+        restored = False
+        if self._v2_base is not None and not os.path.isdir(self._v2_base):
+            _mkdir(self._v2_base)
+            self._v2_limits = _enable_controllers(self._v2_base, self._v2_limits)
+            restored = True
+        for base in self._v1_bases.values():
+            if not os.path.isdir(base):
+                _mkdir(base)
+                restored = True
+        self.bases_restored += restored
+        return restored
+
+    def _create(self, name: str) -> CommandCgroup:
         v2 = None if self._v2_base is None else os.path.join(self._v2_base, name)
         v1 = {controller: os.path.join(base, name) for controller, base in self._v1_bases.items()}
         cgroup = CommandCgroup(name, v2, v1, v2_memory="memory" in self._v2_limits)

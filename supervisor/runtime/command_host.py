@@ -143,10 +143,7 @@ class Spawner:
                     extra_groups=groups,
                 )
             except OSError as exc:
-                # Popen names the cwd for a failure before exec (chdir, the ids), the
-                # program for exec's own; none for the fork (EAGAIN, ENOMEM).
-                stage = "fork" if exc.filename is None else "cwd" if exc.filename == spec.cwd else "exec"
-                raise holder.SpawnError(stage, exc.errno or errno.EIO) from None
+                raise holder.SpawnError(_popen_stage(exc, spec), exc.errno or errno.EIO) from None
             except (subprocess.SubprocessError, ValueError, TypeError):
                 raise holder.SpawnError("exec", errno.EINVAL) from None
         finally:
@@ -217,6 +214,26 @@ class Spawner:
             # Back down needs CAP_SYS_RESOURCE below the minimum the host inherited: left at
             # the command's score, the host spawns the old way from now on.
             self.usable = False
+
+
+# What setgroups, setgid and setuid fail with (EAGAIN: setuid over the user's RLIMIT_NPROC);
+# chdir never does with these.
+IDENTITY_ERRNOS = frozenset({errno.EPERM, errno.EINVAL, errno.EAGAIN})
+
+
+def _popen_stage(exc: OSError, spec: HolderSpec) -> str:
+    """The stage of a failed Popen, as holder.spawn's child names it. Popen names no file
+    for the fork itself (EAGAIN, ENOMEM, in the host), the program for exec's own failure,
+    and the cwd for any failure of its child before exec: the chdir, but also the switch of
+    ids that follows it. Those the errno tells apart (ENOENT for a missing cwd, EPERM for a
+    refused setuid), so that a missing cwd never reads as a missing shell nor a refused
+    switch of ids as a missing cwd."""
+    if exc.filename is None:
+        return "fork"
+    if exc.filename != spec.cwd:
+        return "exec"
+    has_ids = spec.uid is not None or spec.gid is not None or spec.groups is not None
+    return "identity" if has_ids and exc.errno in IDENTITY_ERRNOS else "cwd"
 
 
 def _join(procs: str) -> None:

@@ -15,6 +15,7 @@ throttled live view), `spool` (the lossless record).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import signal
@@ -44,7 +45,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
 )
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
-from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost
+from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost, SpawnFailed
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec, TerminalSize
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, ToolFailure, resource_failure
@@ -62,6 +63,14 @@ from sandbox_supervisor.daemon.runtime.spool import (
 )
 
 log = structlog.get_logger("supervisor.shell")
+
+# Spawns of one command when its cgroup vanishes before the host's child joins it (removed
+# from outside, `shell.cgroup_removed`): the second gets a fresh one; a third would only
+# race the same remover again.
+CGROUP_SPAWN_ATTEMPTS = 2
+# What the host's join fails with when the command's cgroup is gone (ENOENT) or being
+# removed (ENODEV).
+CGROUP_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV})
 
 # After the shell exits, descendants it put in the background may still hold the pipes;
 # completion waits this long for them to close before it is reported (§7.4.3).
@@ -510,24 +519,59 @@ class ShellRuntime:
                 output.close()
                 raise start_failure(exc) from None
         cgroup: CommandCgroup | None = None
+        vanished = False  # the failure is a cgroup removed from outside: nothing ran
         try:
             cgroups = self.settings.cgroups
-            if cgroups is not None and cgroups.enabled:
-                # Blocking, but a few mkdir/writes on a kernel file system.
-                cgroup = cgroups.create(call_id)
-            group = await ProcessGroup.hosted(
-                self.host,
-                call_id,
-                spool_dir(self.settings.state_dir, call_id),
-                self._spec(params, cwd, env, login, cgroup),
-                cgroup,
-            )
+            for attempt in range(CGROUP_SPAWN_ATTEMPTS):
+                if cgroups is not None and cgroups.enabled:
+                    restored = cgroups.bases_restored
+                    try:
+                        # Blocking, but a few mkdir/writes on a kernel file system.
+                        cgroup = cgroups.create(call_id)
+                    except FileNotFoundError:
+                        vanished = True  # its base again, right after it was made again
+                        raise
+                    if cgroups.bases_restored != restored:
+                        log.warning("shell.cgroup_base_restored", call_id=call_id)
+                try:
+                    group = await ProcessGroup.hosted(
+                        self.host,
+                        call_id,
+                        spool_dir(self.settings.state_dir, call_id),
+                        self._spec(params, cwd, env, login, cgroup),
+                        cgroup,
+                    )
+                    break
+                except SpawnFailed as exc:
+                    # The command's cgroup was removed between its mkdir and the join (an
+                    # empty cgroup is anyone's to remove: see Cgroups.create). The host's
+                    # child stopped before exec, so nothing ran: made again, spawned again.
+                    if cgroup is None or exc.stage != "cgroup" or exc.errno not in CGROUP_GONE_ERRNOS:
+                        raise
+                    if attempt + 1 == CGROUP_SPAWN_ATTEMPTS:
+                        vanished = True
+                        raise
+                    log.warning("shell.cgroup_removed", call_id=call_id)
+                    cgroup.remove()
+                    cgroup = None
         except BaseException as exc:
             output.close()
             if cgroup is not None:
                 cgroup.remove()
             if isinstance(exc, OSError):  # SpawnFailed included: the host said why
-                raise start_failure(exc) from None
+                # Logged with the stage the host names (cwd, exec, cgroup, …): the answer
+                # carries only the strerror.
+                log.warning(
+                    "shell.spawn_failed",
+                    call_id=call_id,
+                    stage=exc.stage if isinstance(exc, SpawnFailed) else "daemon",
+                    errno=errno.errorcode.get(exc.errno or 0, exc.errno),
+                )
+                failure = start_failure(exc)
+                # Removed from outside on every attempt: it says nothing about the call and
+                # nothing ran, so the key is freed, as for a shortage (a retry runs it).
+                failure.frees_key = failure.frees_key or vanished
+                raise failure from None
             raise
         command = Command(call_id, group, output, started=trio.current_time())
         self.commands[call_id] = command
