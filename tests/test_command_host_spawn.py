@@ -294,3 +294,58 @@ def test_outside_any_cgroup_hierarchy_it_spawns_the_old_way(tmp_path):
         for fd in stdio.outputs.values():
             os.close(fd)
     assert raised.value.stage == "cgroup"
+
+
+def _v1_pids_mount() -> str | None:
+    try:
+        mounts = cgroups.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return None
+    mount = mounts.v1.get("pids")
+    return mount if mount is not None and os.access(mount, os.W_OK) else None
+
+
+@pytest.mark.skipif(_v1_pids_mount() is None, reason="needs a writable cgroup v1 pids hierarchy (root)")
+def test_a_pids_max_of_one_still_runs_the_command(tmp_path):
+    """Review finding: the host joined the command's cgroup before its fork and took the only
+    place a pids.max of 1 (which exec.pids_max allows) leaves, so every command failed with
+    resource_exhausted. It now falls back to the spawn whose child joins alone."""
+    mount = _v1_pids_mount()
+    assert mount is not None
+    directory = Path(mount) / f"sandbox-supervisor-test-pids1-{os.getpid()}"
+    directory.mkdir()
+    try:
+        (directory / "pids.max").write_text("1")
+        spec = HolderSpec(
+            argv=("/bin/sh", "-c", "echo ran"), cwd=str(tmp_path), env=ENV, stdin="null",
+            oom_score_adj=COMMAND_OOM_SCORE_ADJ, cgroup=str(directory),
+        )
+        before = own_state()
+        spawner = command_host.Spawner()
+        stdio = holder.open_stdio(spec)
+        try:
+            pid = spawner.spawn(spec, stdio)
+            assert os.read(stdio.outputs["stdout"], 100) == b"ran\n"
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+        finally:
+            for fd in stdio.outputs.values():
+                os.close(fd)
+        assert own_state() == before  # the host is home, at its own score
+        assert spawner.usable
+    finally:
+        directory.rmdir()
+
+
+def test_a_refused_switch_of_ids_named_by_no_file_is_still_the_identity_stage():
+    """Python 3.13 and later name no file for a failure of Popen's child before exec other
+    than its chdir (3.11 and 3.12 name the cwd): the errno still tells a refused switch of
+    ids from the fork's own failure (review finding)."""
+    with_ids = HolderSpec(argv=("/bin/true",), cwd="/", env=ENV, stdin="null", uid=65534, gid=65534)
+    without = HolderSpec(argv=("/bin/true",), cwd="/", env=ENV, stdin="null")
+    assert command_host._popen_stage(OSError(errno.EPERM, "refused"), with_ids) == "identity"
+    assert command_host._popen_stage(OSError(errno.EAGAIN, "no process"), with_ids) == "fork"
+    assert command_host._popen_stage(OSError(errno.EPERM, "refused"), without) == "fork"
+    assert command_host._popen_stage(OSError(errno.EPERM, "refused", "/"), with_ids) == "identity"
+    assert command_host._popen_stage(OSError(errno.ENOENT, "gone", "/"), with_ids) == "cwd"
+    assert command_host._popen_stage(OSError(errno.ENOENT, "gone", "/bin/sh"), with_ids) == "exec"

@@ -170,3 +170,80 @@ async def test_the_reader_leaves_the_write_to_the_sender_when_the_peer_has_unrea
         await with_pair(body)
     finally:
         store.close()
+
+
+async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection_closed():
+    # Review finding: the batch's first write is under way when the peer's Close arrives;
+    # the next message must end the batch with ConnectionClosed (what the sender handles),
+    # not wsproto's LocalProtocolError for a send in state CLOSED (a crash of the socket).
+    texts = ["x" * WRITE_BATCH_MAX_BYTES, "second"]
+
+    async def body(ws, counted, client):
+        passed_on = counted.send_all
+
+        async with trio.open_nursery() as nursery:
+
+            async def first_write_then_wait_for_the_close(data: bytes) -> None:
+                await passed_on(data)
+                # The client's close handshake completes once this write lets go of the
+                # stream (the server's Close reply needs it): started, not awaited.
+                nursery.start_soon(client.aclose)
+                while ws._close_reason is None:  # the server side has read the peer's Close
+                    await trio.sleep(0.005)
+
+            counted.send_all = first_write_then_wait_for_the_close
+            try:
+                await send_messages(ws, texts)
+            except trio_websocket.ConnectionClosed:
+                pass
+            else:
+                raise AssertionError("a batch after the peer's Close ended without ConnectionClosed")
+
+    await with_pair(body)
+
+
+class _FullQueueSocket:
+    """A WebSocket that never completes a write: the reply queue fills and stays full."""
+
+    _close_reason = None
+
+    def __init__(self) -> None:
+        self._stream_lock = trio.Lock()
+        self._wsproto = self
+        self._stream = self
+
+    def send(self, event: object) -> bytes:
+        return b""
+
+    async def send_all(self, chunk: bytes) -> None:
+        await trio.sleep_forever()
+
+
+class _NoJournal:
+    last_seq = 0
+    pruned_through = 0
+
+    def subscribe(self, wake) -> None: ...
+
+    def unsubscribe(self, wake) -> None: ...
+
+
+async def test_a_reply_cancelled_while_the_queue_is_full_gives_its_size_back():
+    # Review finding: the queue's size count grew before the wait for room and was never
+    # given back when that wait was cancelled, so the cap shrank for good.
+    from sandbox_supervisor.daemon.session.sender import REPLY_QUEUE_SIZE
+
+    sender = SocketSender(_FullQueueSocket(), _NoJournal(), 0)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender.run)
+        await trio.testing.wait_all_tasks_blocked()
+        await sender.reply("r")  # taken by the sender, whose write never completes
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(REPLY_QUEUE_SIZE):  # the queue full by count
+            await sender.reply("r")
+        before = sender._queued_chars
+        with trio.move_on_after(0.05) as scope:
+            await sender.reply("y" * 1000)  # no room by count: waits, then is cancelled
+        assert scope.cancelled_caught
+        assert sender._queued_chars == before
+        nursery.cancel_scope.cancel()

@@ -110,11 +110,20 @@ class Spawner:
         if any(home is None for home in homes):
             return holder.spawn(spec, stdio)
         try:
-            return self._popen(spec, stdio, directories, [h for h in homes if h is not None])
-        finally:
-            for fd in {stdio.child_stdin, stdio.child_stdout, stdio.child_stderr}:
-                if fd is not None:
-                    os.close(fd)
+            pid = self._popen(spec, stdio, directories, [h for h in homes if h is not None])
+        except holder.SpawnError as exc:
+            if exc.stage == "fork" and exc.errno == errno.EAGAIN and directories:
+                # The host itself took a place in the command's cgroup while it forked: at
+                # a pids.max of 1 that was the only one. holder.spawn's child joins alone,
+                # so it fits where a command fits (and fails the same way where none does).
+                return holder.spawn(spec, stdio)
+            _close_child_ends(stdio)
+            raise
+        except BaseException:
+            _close_child_ends(stdio)
+            raise
+        _close_child_ends(stdio)
+        return pid
 
     def _popen(self, spec: HolderSpec, stdio: holder.Stdio, directories: list[str], homes: list[str]) -> int:
         own_score = self._raise_score(spec.oom_score_adj)
@@ -228,12 +237,21 @@ def _popen_stage(exc: OSError, spec: HolderSpec) -> str:
     ids that follows it. Those the errno tells apart (ENOENT for a missing cwd, EPERM for a
     refused setuid), so that a missing cwd never reads as a missing shell nor a refused
     switch of ids as a missing cwd."""
+    has_ids = spec.uid is not None or spec.gid is not None or spec.groups is not None
     if exc.filename is None:
-        return "fork"
+        # Python 3.13 and later name no file for a failure of the child before exec other
+        # than its chdir (3.11 and 3.12 name the cwd): a refused switch of ids is told from
+        # the fork's own failure (EAGAIN, ENOMEM) by its errno.
+        return "identity" if has_ids and exc.errno in (errno.EPERM, errno.EINVAL) else "fork"
     if exc.filename != spec.cwd:
         return "exec"
-    has_ids = spec.uid is not None or spec.gid is not None or spec.groups is not None
     return "identity" if has_ids and exc.errno in IDENTITY_ERRNOS else "cwd"
+
+
+def _close_child_ends(stdio: holder.Stdio) -> None:
+    for fd in {stdio.child_stdin, stdio.child_stdout, stdio.child_stderr}:
+        if fd is not None:
+            os.close(fd)
 
 
 def _join(procs: str) -> None:

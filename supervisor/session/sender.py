@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import trio
 import trio_websocket
 import wsproto.events
+import wsproto.utilities
 
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.visibility import Audience
@@ -119,7 +120,13 @@ class SocketSender:
             # and whatever the same step journals go out in this task's next pass together.
             self._reply_in.send_nowait(text)
         except trio.WouldBlock:
-            await self._reply_in.send(text)
+            try:
+                await self._reply_in.send(text)
+            except BaseException:
+                # Not queued after all (cancelled while the queue was full): its size is
+                # given back, or the cap would shrink for good.
+                self._queued_chars -= len(text)
+                raise
         # Never deferred: a reader that fills the queue waits for this task to empty it.
         self._wake.set()
 
@@ -290,8 +297,16 @@ async def send_messages(
     pending: list[bytes] = []
     size = 0
     for index, text in enumerate(texts):
+        # Checked before each message, as `send_message` does: a Close from the peer that
+        # arrived while an earlier chunk was written has moved wsproto to CLOSED, where its
+        # send raises LocalProtocolError instead of the ConnectionClosed callers expect.
+        if ws._close_reason:
+            raise trio_websocket.ConnectionClosed(ws._close_reason)
         message = wsproto.events.BytesMessage(data=text) if isinstance(text, bytes) else wsproto.events.TextMessage(data=text)
-        data = ws._wsproto.send(message)
+        try:
+            data = ws._wsproto.send(message)
+        except wsproto.utilities.LocalProtocolError:
+            raise trio_websocket.ConnectionClosed(ws._close_reason) from None
         pending.append(data)
         size += len(data)
         if size >= WRITE_BATCH_MAX_BYTES or index == len(texts) - 1:
