@@ -15,11 +15,10 @@ not installed (the `bench` extra).
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
-from bench.common import CpuMeter, Driver, Mode, Result, daemon, key, latency, now, require_ok, workspace
-from bench.swerex_peer import require, swerex_server
+from bench.common import CpuMeter, Driver, Mode, Result, daemon, key, now, require_ok, workspace
+from bench.swerex_peer import compared, require, swerex_server
 
 NAME = "exec_true_swerex"
 TARGET = 1.5  # SWE-ReX's time / the daemon's, at least
@@ -52,14 +51,4 @@ async def run(mode: Mode, workdir: Path) -> Result:
                     peer.append(elapsed_peer)
                     measured.append(elapsed)
             meter.stop()
-    ratio = statistics.median(peer) / statistics.median(measured)
-    return Result(
-        NAME,
-        latency(measured),
-        latency(peer),
-        ratio,
-        f">= {TARGET:g}x (SWE-ReX / daemon)",
-        ratio >= TARGET,
-        meter.per_op(samples),
-        floor_label="SWE-ReX",
-    )
+    return compared(NAME, TARGET, measured, peer, meter.per_op(samples))

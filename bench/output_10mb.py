@@ -25,7 +25,6 @@ KiB cost the daemon about four times the CPU per byte (bench/README.md, "Issue 1
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import trio
@@ -33,7 +32,7 @@ import trio
 from bench.common import FRAME_TIMEOUT_S, CpuMeter, Driver, Mode, Result, Skipped, daemon, key, latency, now, require_ok, workspace
 from sandbox_supervisor.protocol.frames import MAX_BINARY_OUTPUT_PAGE_LENGTH
 
-from bench.swerex_peer import MISSING, available, swerex_server
+from bench.swerex_peer import MISSING, available, compared, swerex_server
 
 NAME = "output_10mb"
 TARGET = 2.0  # SWE-ReX's time / the daemon's, at least
@@ -123,17 +122,7 @@ async def run(mode: Mode, workdir: Path) -> Result:
                     peer.append(elapsed_peer)
                     measured.append(elapsed)
             meter.stop()
-    ratio = statistics.median(peer) / statistics.median(measured)
-    return Result(
-        NAME,
-        latency(measured),
-        latency(peer),
-        ratio,
-        f">= {TARGET:g}x (SWE-ReX / daemon)",
-        ratio >= TARGET,
-        f"{SIZE // 1_000_000} MB, pages of {PAGE_BYTES // 1024} KiB, {IN_FLIGHT} in flight; {meter.per_op(samples, 'ms')}",
-        floor_label="SWE-ReX",
-    )
+    return compared(NAME, TARGET, measured, peer, f"{SIZE // 1_000_000} MB, pages of {PAGE_BYTES // 1024} KiB, {IN_FLIGHT} in flight; {meter.per_op(samples, 'ms')}")
 
 
 async def daemon_alone(workdir: Path, samples: int, warmup: int, expected: bytes) -> list[float]:

@@ -29,7 +29,9 @@ from typing import Any
 import h11
 import trio
 
-from bench.common import Skipped
+import statistics
+
+from bench.common import Result, Skipped, latency
 
 MISSING = "swe-rex not installed (pip install -e '.[bench]')"
 START_TIMEOUT_S = 30.0  # uvicorn and FastAPI import in ~1 s quiet; far more on a busy machine
@@ -166,3 +168,19 @@ async def swerex_server(log_path: Path) -> AsyncIterator[SweRexServer]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def compared(name: str, target: float, measured: list[float], peer: list[float], note: str) -> Result:
+    """A row measured against SWE-ReX: its median time over the daemon's (higher is better),
+    at least `target`."""
+    ratio = statistics.median(peer) / statistics.median(measured)
+    return Result(
+        name,
+        latency(measured),
+        latency(peer),
+        ratio,
+        f">= {target:g}x (SWE-ReX / daemon)",
+        ratio >= target,
+        note,
+        floor_label="SWE-ReX",
+    )
