@@ -3,12 +3,13 @@
 Daemon: `python -m sandbox_supervisor.daemon serve` started, one connection bootstrapped (and closed), then
 VmRSS from /proc/PID/status after a short settle.
 
-Floor: a fresh Python (the same interpreter) that imports the seven libraries the daemon
-depends on — trio, trio_websocket, pydantic, cryptography, joserfc, structlog,
-prometheus_client — and reads its own VmRSS; the median of 3. `import pydantic` and
+Floor: a fresh Python (the same interpreter) that imports the six libraries the daemon
+depends on — trio, trio_websocket, pydantic, cryptography, structlog, prometheus_client —
+and reads its own VmRSS; the median of 3. (joserfc, which the daemon imported until it
+checked the ES256 signature with cryptography itself, is no longer among them.) `import pydantic` and
 `import cryptography` alone load almost nothing (pydantic is lazy; cryptography's EC
 backend is a separate extension module), so the floor imports the names the daemon itself
-imports from them (BaseModel/TypeAdapter, hazmat EC, joserfc.jws/jwk); the figure for bare
+imports from them (BaseModel/TypeAdapter, hazmat EC); the figure for bare
 top-level imports is reported in the note as well.
 
 The target is absolute (<= 55 MiB); the ratio daemon / floor and the difference are reported.
@@ -37,13 +38,11 @@ NAME = "idle_rss"
 TARGET_MIB = 55
 SETTLE_S = 0.5
 REPEATS = 3
-TOP_LEVEL = "import trio, trio_websocket, pydantic, cryptography, joserfc, structlog, prometheus_client\n"
+TOP_LEVEL = "import trio, trio_websocket, pydantic, cryptography, structlog, prometheus_client\n"
 AS_USED = TOP_LEVEL + (
     "from pydantic import BaseModel, TypeAdapter\n"
     "from cryptography.hazmat.primitives import hashes\n"
     "from cryptography.hazmat.primitives.asymmetric import ec\n"
-    "from joserfc import jws\n"
-    "from joserfc.jwk import ECKey, KeySet\n"
     "from prometheus_client import CollectorRegistry\n"
 )
 PRINT_RSS = "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS:')))\n"
