@@ -122,56 +122,6 @@ async def test_a_reply_and_the_events_after_it_go_out_in_one_write(tmp_path):
         store.close()
 
 
-async def test_a_result_journaled_by_the_reader_is_written_by_it_without_waking_the_sender(tmp_path):
-    """send_deferred: the events the reader's own step journaled go out from the reader's
-    task when the kernel holds nothing unsent; the sender task is not woken for them."""
-    store = StateStore.open(tmp_path / "state")
-    journal = Journal(store)
-
-    async def body(ws, counted, client):
-        sender = SocketSender(ws, journal, cursor=0, unsent=lambda: 0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender.run)
-            await trio.testing.wait_all_tasks_blocked()
-            sender.defer_wakes()
-            journal.append([("tool.result", tool_result(1))])
-            assert not sender._wake.is_set()  # noted, not scheduled
-            await sender.send_deferred()
-            assert sender.cursor == 1 and not sender._wake.is_set()
-            assert '"seq":1' in await client.get_message()
-            nursery.cancel_scope.cancel()
-
-    try:
-        await with_pair(body)
-    finally:
-        store.close()
-
-
-async def test_the_reader_leaves_the_write_to_the_sender_when_the_peer_has_unread_bytes(tmp_path):
-    """With bytes still queued in the kernel (a peer that is not reading), the reader never
-    writes: it could wait there. The sender task is woken and writes instead."""
-    store = StateStore.open(tmp_path / "state")
-    journal = Journal(store)
-
-    async def body(ws, counted, client):
-        sender = SocketSender(ws, journal, cursor=0, unsent=lambda: 1)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender.run)
-            await trio.testing.wait_all_tasks_blocked()
-            sender.defer_wakes()
-            journal.append([("tool.result", tool_result(1))])
-            await sender.send_deferred()
-            assert sender.cursor == 0 and sender._wake.is_set()  # handed to the sender task
-            assert '"seq":1' in await client.get_message()
-            await sender.flush(1)
-            nursery.cancel_scope.cancel()
-
-    try:
-        await with_pair(body)
-    finally:
-        store.close()
-
-
 async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection_closed():
     # Review finding: the batch's first write is under way when the peer's Close arrives;
     # the next message must end the batch with ConnectionClosed (what the sender handles),

@@ -42,13 +42,6 @@ DEFAULT_WRITE_TIMEOUT_S = 60.0
 # is a write of its own): few system calls for a burst, while the write timeout still
 # measures a peer's progress in steps this small.
 WRITE_BATCH_MAX_BYTES = 256 * 1024
-# What the socket's reader writes itself after a call it finished on the spot (see
-# `send_deferred`): at most this many frames of at most this many characters in all (16 KiB
-# of UTF-8 at most), which a send buffer with nothing queued takes without waiting (Linux's
-# default TCP send buffer starts at 16 KiB, a unix socket's is larger). More goes to the
-# sender task.
-INLINE_MAX_FRAMES = 4
-INLINE_MAX_CHARS = 4096
 
 
 class _Stalled(Exception):
@@ -66,13 +59,8 @@ class SocketSender:
         *,
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         on_stalled: Callable[[], None] | None = None,
-        unsent: Callable[[], int] | None = None,
     ) -> None:
         self._ws = ws
-        # The bytes the kernel still holds for the peer (SIOCOUTQ), when the socket can say:
-        # `send_deferred` writes from the reader's task only when that is 0, so it never
-        # waits for a peer that stopped reading (None: it never writes from there).
-        self._unsent = unsent
         self._write_timeout_s = write_timeout_s
         # Told once when a write times out (the socket closes it); the sender then stops.
         self._on_stalled = on_stalled
@@ -92,22 +80,9 @@ class SocketSender:
         self._progress = trio.Event()
         self.failed = False
         self.stopped = False
-        # A write is under way (this task's, or the socket reader's `send_deferred`): the
-        # other one leaves the socket alone, so frames never interleave or reorder.
-        self._busy = False
-        # A write of `send_deferred` that failed: the sender task ends on it as on its own.
-        self._failure: BaseException | None = None
-        # While the socket's reader runs a frame to its end (`defer_wakes`), the wake-ups of
-        # its own appends are noted here instead of scheduling this task; `send_deferred`
-        # then writes what they made ready itself.
-        self._deferring: trio.lowlevel.Task | None = None
-        self._deferred = False
 
     def wake(self) -> None:
-        if self._deferring is not None and trio.lowlevel.current_task() is self._deferring:
-            self._deferred = True
-        else:
-            self._wake.set()
+        self._wake.set()
 
     async def reply(self, text: str | bytes) -> None:
         """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…);
@@ -127,73 +102,15 @@ class SocketSender:
                 # given back, or the cap would shrink for good.
                 self._queued_chars -= len(text)
                 raise
-        # Never deferred: a reader that fills the queue waits for this task to empty it.
         self._wake.set()
-
-    def defer_wakes(self) -> None:
-        """From the socket's reader, before it hands a frame to the runtime: the events the
-        frame's own synchronous work journals (a small read_file's result) are written by
-        `send_deferred` in the reader's task, one scheduler pass sooner than a wake-up of
-        this task would. Appends by other tasks wake this task as always."""
-        self._deferring = trio.lowlevel.current_task()
-
-    def release_deferred(self) -> None:
-        """End `defer_wakes` without writing (the frame's handling was cancelled or failed):
-        this task is woken for whatever was noted."""
-        self._deferring = None
-        if self._deferred:
-            self._deferred = False
-            self._wake.set()
-
-    async def send_deferred(self) -> None:
-        """End `defer_wakes`: when the frame journaled something, write it now from the
-        calling task, unless this task is writing already or has stopped (then it is woken
-        and writes it itself). Commit before send holds: only journaled frames are read."""
-        self._deferring = None
-        if not self._deferred:
-            return
-        self._deferred = False
-        if not self._may_write_inline():
-            self._wake.set()
-            return
-        try:
-            await self._pass()
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, _Stalled) as exc:
-            self._failure = exc  # the sender task ends on it, as if its own write had failed
-            self._wake.set()
-            return
-        if self._reply_out.statistics().current_buffer_used or self.cursor < self._journal.last_seq:
-            self._wake.set()  # more than one batch, or replies queued meanwhile
-
-    def _may_write_inline(self) -> bool:
-        """Whether the reader may write what is ready itself: nobody is writing, no reply is
-        queued (replies go first, as in this task's passes), and the write cannot wait — the
-        kernel holds nothing unsent for this peer, and the frames are few and small enough
-        for the empty send buffer to take at once."""
-        if self._busy or self.stopped or self._failure is not None or self._unsent is None:
-            return False
-        if self._reply_out.statistics().current_buffer_used:
-            return False
-        journal = self._journal
-        if journal.last_seq - self.cursor > INLINE_MAX_FRAMES:
-            return False
-        rows = journal.frames_after(self.cursor, INLINE_MAX_FRAMES, None, self._audience)
-        if sum(len(frame) for _, frame in rows) > INLINE_MAX_CHARS:
-            return False
-        try:
-            return self._unsent() == 0
-        except OSError:
-            return False
 
     async def run(self) -> None:
         """Send until the socket closes (or the task is cancelled with its connection)."""
         self._journal.subscribe(self.wake)
         try:
             while True:
-                if self._failure is not None:
-                    raise self._failure
                 self._wake = trio.Event()
-                if self._busy or not await self._pass():
+                if not await self._pass():
                     await self._wake.wait()
         except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             self.failed = True
@@ -209,23 +126,19 @@ class SocketSender:
     async def _pass(self) -> bool:
         """Write every queued reply, then the next batch of events after the cursor, in as
         few writes as they fit in; whether there was anything to write."""
-        self._busy = True
-        try:
-            texts = self._take_replies()
-            # Replies go before events (a bind's runtime.state before its replay): while
-            # some are still queued, this pass sends replies only.
-            replies_left = self._reply_out.statistics().current_buffer_used
-            rows = (
-                self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
-                if self.cursor < self._journal.last_seq and not replies_left
-                else []
-            )
-            if not texts and not rows:
-                return False
-            texts.extend(frame for _, frame in rows)
-            await self._send(texts)
-        finally:
-            self._busy = False
+        texts = self._take_replies()
+        # Replies go before events (a bind's runtime.state before its replay): while
+        # some are still queued, this pass sends replies only.
+        replies_left = self._reply_out.statistics().current_buffer_used
+        rows = (
+            self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
+            if self.cursor < self._journal.last_seq and not replies_left
+            else []
+        )
+        if not texts and not rows:
+            return False
+        texts.extend(frame for _, frame in rows)
+        await self._send(texts)
         if rows:
             self.cursor = rows[-1][0]
             self._progress.set()

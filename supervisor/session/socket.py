@@ -8,10 +8,6 @@ cancelled together when the socket is asked to close.
 
 from __future__ import annotations
 
-import fcntl
-import socket as stdlib_socket
-import struct
-import termios
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -69,8 +65,6 @@ ACK_AHEAD_MESSAGE = "The ack is above the highest journaled seq."
 # pruning resumes soon after space returns, long enough that a full disk costs one failed
 # transaction a second.
 ACK_RETRY_INTERVAL_S = 1.0
-# SIOCOUTQ (TIOCOUTQ on a socket) answers in a C int.
-UNSENT_READING_BYTES = 4
 
 class RuntimePort(Protocol):
     """What the session layer hands to the runtime: tool calls and exec frames. The runtime
@@ -261,21 +255,7 @@ class ControlSocket:
                 self.conn.request_close(action.code, action.reason)
                 return False
             elif isinstance(action, SubmitCall):
-                sender = self.sender
-                if sender is None:
-                    await self._submit(action)
-                else:
-                    # A call the runtime finishes on the spot (a small read_file) has its
-                    # result journaled before submit returns: written from here when that
-                    # cannot wait, without waking the sender task for it (one scheduler
-                    # pass fewer per call).
-                    sender.defer_wakes()
-                    try:
-                        await self._submit(action)
-                    except BaseException:
-                        sender.release_deferred()
-                        raise
-                    await sender.send_deferred()
+                await self._submit(action)
             elif isinstance(action, Acknowledge):
                 await self._acknowledge(action.seq)
             elif isinstance(action, RunExec):
@@ -346,7 +326,6 @@ class ControlSocket:
             audience=self._socket_audience(),
             write_timeout_s=services.settings.write_timeout_s,
             on_stalled=lambda: self.conn.request_close(closes.CLOSE_INTERNAL_ERROR, closes.WRITE_TIMEOUT_REASON),
-            unsent=kernel_unsent(self.conn.ws),
         )
         self.conn.sender = self.sender
         self._nursery.start_soon(self.sender.run)
@@ -449,27 +428,6 @@ async def retry_deferred_acks(journal: Journal, interval_s: float = ACK_RETRY_IN
             continue  # still refused: kept, tried again next time
         if floor is not None:
             log.info("ack.recorded", floor=floor)
-
-
-def kernel_unsent(ws: trio_websocket.WebSocketConnection) -> Callable[[], int] | None:
-    """A reading of the bytes the kernel still holds for the peer of `ws` (SIOCOUTQ), or None
-    when its stream is not a plain socket. The edge hands trio-websocket its socket stream
-    wrapped once (edge.server.ReplayStream, whose `_inner` it is); anything else is None,
-    which only turns the reader's own writes off (SocketSender.send_deferred)."""
-    stream = getattr(ws, "_stream", None)
-    stream = getattr(stream, "_inner", stream)
-    sock = getattr(stream, "socket", None)
-    if sock is None or sock.family not in (stdlib_socket.AF_INET, stdlib_socket.AF_INET6, stdlib_socket.AF_UNIX):
-        return None
-    fd = sock.fileno()
-
-    def unsent() -> int:
-        if sock.fileno() != fd:
-            raise OSError("the socket is closed")  # its number may belong to another file now
-        queued: int = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, bytes(UNSENT_READING_BYTES)))[0]
-        return queued
-
-    return unsent
 
 
 def _decode(raw: str) -> ClientFrameModel | FrameError:
