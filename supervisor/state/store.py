@@ -647,10 +647,9 @@ class StateStore:
     def free_pages(self) -> int:
         """Pages of the database file that hold nothing (freed by pruning)."""
         with self._lock:
-            if self._closed:
-                raise StoreError("state store is closed")
+            conn = self._open_connection()
             try:
-                return int(self._conn.execute("PRAGMA freelist_count").fetchone()[0])
+                return int(conn.execute("PRAGMA freelist_count").fetchone()[0])
             except sqlite3.Error as exc:
                 raise store_error("cannot read the free page count", exc) from exc
 
@@ -659,11 +658,7 @@ class StateStore:
         own transaction); the free pages left. A database without incremental auto-vacuum
         returns none (the loop that calls this stops when nothing changes)."""
         with self._lock:
-            if self._closed:
-                raise StoreError("state store is closed")
-            conn = self._conn
-            if conn.in_transaction:
-                raise StoreError("state store transactions do not nest")
+            conn = self._idle_connection()
             try:
                 # executescript steps the pragma to its end: execute() would free one page.
                 conn.executescript(f"PRAGMA incremental_vacuum({int(pages)});")
@@ -675,12 +670,25 @@ class StateStore:
         """Copy the WAL into the database without waiting for readers (PASSIVE): the file
         shrinks to what the vacuum left, and the WAL is cut back at its next reset."""
         with self._lock:
-            if self._closed:
-                raise StoreError("state store is closed")
+            conn = self._open_connection()
             try:
-                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
             except sqlite3.Error as exc:
                 raise store_error("cannot checkpoint", exc) from exc
+
+    def _open_connection(self) -> sqlite3.Connection:
+        """The connection, under `_lock` (the caller holds it); StoreError once closed."""
+        if self._closed:
+            raise StoreError("state store is closed")
+        return self._conn
+
+    def _idle_connection(self) -> sqlite3.Connection:
+        """The open connection with no transaction under way (the caller holds `_lock`):
+        statements that run their own transaction never nest in another one."""
+        conn = self._open_connection()
+        if conn.in_transaction:
+            raise StoreError("state store transactions do not nest")
+        return conn
 
     @contextmanager
     def _transaction(self, *, write: bool = True) -> Iterator[sqlite3.Connection]:
@@ -688,11 +696,7 @@ class StateStore:
         tool.result event) call the `_..._in(conn, …)` helpers inside a single one of these;
         transactions never nest."""
         with self._lock:
-            if self._closed:
-                raise StoreError("state store is closed")
-            conn = self._conn
-            if conn.in_transaction:
-                raise StoreError("state store transactions do not nest")
+            conn = self._idle_connection()
             try:
                 # IMMEDIATE takes the write lock up front, so a read-then-write in the block
                 # cannot fail half way with SQLITE_BUSY; reads take a consistent snapshot.
