@@ -16,9 +16,10 @@ not installed (the `bench` extra).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from bench.common import CpuMeter, Driver, Mode, Result, daemon, key, now, require_ok, workspace
-from bench.swerex_peer import compared, require, swerex_server
+from bench.common import Driver, Mode, Result, key, require_ok
+from bench.swerex_peer import alternated, compared, require
 
 NAME = "exec_true_swerex"
 TARGET = 1.5  # SWE-ReX's time / the daemon's, at least
@@ -28,27 +29,17 @@ ARGV = ["/bin/bash", "-c", "true"]
 async def run(mode: Mode, workdir: Path) -> Result:
     require()
     samples, warmup = mode.pick(300, 10), mode.pick(20, 2)
-    measured: list[float] = []
-    peer: list[float] = []
-    async with swerex_server(workdir / "swerex.log") as rex, daemon(workdir / "daemon") as (process, running):
-        client = running.client()
-        async with rex.client() as http, client.connect() as session:
-            await session.bootstrap(cwd=workspace(running.layout))
-            driver = Driver(session)
-            for i in range(warmup + samples):
-                if i == warmup:
-                    meter = CpuMeter(process.proc.pid, rex.proc.pid, "SWE-ReX")
-                started = now()
-                answer = await http.execute(ARGV)
-                elapsed_peer = now() - started
-                assert answer["exit_code"] == 0, answer
-                started = now()
-                body = await driver.call("execute_shell_command", {"command": "true"}, key=key())
-                elapsed = now() - started
-                assert require_ok(body)["exit_code"] == 0, body
-                await driver.maybe_ack()
-                if i >= warmup:
-                    peer.append(elapsed_peer)
-                    measured.append(elapsed)
-            meter.stop()
+
+    async def on_daemon(driver: Driver) -> dict[str, Any]:
+        return await driver.call("execute_shell_command", {"command": "true"}, key=key())
+
+    def check_peer(answer: dict[str, Any]) -> None:
+        assert answer["exit_code"] == 0, answer
+
+    def check_daemon(body: dict[str, Any]) -> None:
+        assert require_ok(body)["exit_code"] == 0, body
+
+    measured, peer, meter = await alternated(
+        workdir, samples, warmup, lambda http: http.execute(ARGV), on_daemon, check_peer, check_daemon
+    )
     return compared(NAME, TARGET, measured, peer, meter.per_op(samples))

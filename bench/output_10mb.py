@@ -29,10 +29,10 @@ from pathlib import Path
 
 import trio
 
-from bench.common import FRAME_TIMEOUT_S, CpuMeter, Driver, Mode, Result, Skipped, daemon, key, latency, now, require_ok, workspace
+from bench.common import FRAME_TIMEOUT_S, Driver, Mode, Result, Skipped, daemon, key, latency, now, require_ok, workspace
 from sandbox_supervisor.protocol.frames import MAX_BINARY_OUTPUT_PAGE_LENGTH
 
-from bench.swerex_peer import MISSING, available, compared, swerex_server
+from bench.swerex_peer import MISSING, alternated, available, compared
 
 NAME = "output_10mb"
 TARGET = 2.0  # SWE-ReX's time / the daemon's, at least
@@ -42,6 +42,7 @@ IN_FLIGHT = 4
 HEADER_LENGTH_BYTES = 4  # a binary page's big-endian header length (§6.5.1)
 LINE = "abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 COMMAND = f"yes '{LINE}' | head -c {SIZE}"
+ARGV = ["/bin/bash", "-c", COMMAND]
 
 
 def expected_output() -> bytes:
@@ -100,28 +101,16 @@ async def run(mode: Mode, workdir: Path) -> Result:
     if not available():
         alone = await daemon_alone(workdir, samples, warmup, expected)
         raise Skipped(f"{MISSING}; the daemon alone: {latency(alone)}")
-    measured: list[float] = []
-    peer: list[float] = []
-    async with swerex_server(workdir / "swerex.log") as rex, daemon(workdir / "daemon") as (process, running):
-        client = running.client()
-        async with rex.client() as http, client.connect() as session:
-            await session.bootstrap(cwd=workspace(running.layout))
-            driver = Driver(session)
-            for i in range(warmup + samples):
-                if i == warmup:
-                    meter = CpuMeter(process.proc.pid, rex.proc.pid, "SWE-ReX")
-                started = now()
-                answer = await http.execute(["/bin/bash", "-c", COMMAND])
-                elapsed_peer = now() - started
-                assert answer["exit_code"] == 0 and answer["stdout"].encode() == expected, "SWE-ReX's stdout differs"
-                started = now()
-                out = await delivered(driver)
-                elapsed = now() - started
-                assert out == expected, "the paged stdout differs from the command's output"
-                if i >= warmup:
-                    peer.append(elapsed_peer)
-                    measured.append(elapsed)
-            meter.stop()
+
+    def check_peer(answer: dict) -> None:
+        assert answer["exit_code"] == 0 and answer["stdout"].encode() == expected, "SWE-ReX's stdout differs"
+
+    def check_daemon(out: bytearray) -> None:
+        assert out == expected, "the paged stdout differs from the command's output"
+
+    measured, peer, meter = await alternated(
+        workdir, samples, warmup, lambda http: http.execute(ARGV), delivered, check_peer, check_daemon
+    )
     return compared(NAME, TARGET, measured, peer, f"{SIZE // 1_000_000} MB, pages of {PAGE_BYTES // 1024} KiB, {IN_FLIGHT} in flight; {meter.per_op(samples, 'ms')}")
 
 

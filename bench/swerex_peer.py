@@ -19,19 +19,18 @@ import json
 import os
 import secrets
 import socket
+import statistics
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import h11
 import trio
 
-import statistics
-
-from bench.common import Result, Skipped, latency
+from bench.common import CpuMeter, Driver, Result, Skipped, daemon, latency, now, workspace
 
 MISSING = "swe-rex not installed (pip install -e '.[bench]')"
 START_TIMEOUT_S = 30.0  # uvicorn and FastAPI import in ~1 s quiet; far more on a busy machine
@@ -184,3 +183,46 @@ def compared(name: str, target: float, measured: list[float], peer: list[float],
         note,
         floor_label="SWE-ReX",
     )
+
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+async def alternated(
+    workdir: Path,
+    samples: int,
+    warmup: int,
+    on_peer: Callable[[SweRexClient], Awaitable[T]],
+    on_daemon: Callable[[Driver], Awaitable[U]],
+    check_peer: Callable[[T], None],
+    check_daemon: Callable[[U], None],
+) -> tuple[list[float], list[float], CpuMeter]:
+    """One SWE-ReX server and one daemon with a bootstrapped socket; samples alternate (peer,
+    daemon, …), each timed around its callable, the warm-up ones discarded. What each
+    returns is checked, and the daemon's events acked, after its timer stops. The daemon's
+    times, the peer's, and both servers' CPU over the kept samples."""
+    measured: list[float] = []
+    peer: list[float] = []
+    async with swerex_server(workdir / "swerex.log") as rex, daemon(workdir / "daemon") as (process, running):
+        client = running.client()
+        async with rex.client() as http, client.connect() as session:
+            await session.bootstrap(cwd=workspace(running.layout))
+            driver = Driver(session)
+            for i in range(warmup + samples):
+                if i == warmup:
+                    meter = CpuMeter(process.proc.pid, rex.proc.pid, "SWE-ReX")
+                started = now()
+                answer = await on_peer(http)
+                elapsed_peer = now() - started
+                check_peer(answer)
+                started = now()
+                result = await on_daemon(driver)
+                elapsed = now() - started
+                check_daemon(result)
+                await driver.maybe_ack()
+                if i >= warmup:
+                    peer.append(elapsed_peer)
+                    measured.append(elapsed)
+            meter.stop()
+    return measured, peer, meter
