@@ -318,3 +318,68 @@ def test_version_prints_the_installed_distributions_version(capsys: pytest.Captu
         timeout=60,
     )
     assert (completed.returncode, completed.stdout, completed.stderr) == (0, f"sandbox-supervisor {installed}\n", "")
+
+
+def test_mint_warns_of_claims_the_daemon_requires_and_does_not_know(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sandbox_supervisor.protocol.authority import AssertionClaims
+
+    key_path, _ = generate(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["keys", "mint", "--key", str(key_path), "--claims", '{"iss": "x", "colour": 1}']) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count(".") == 2  # the token alone on stdout, still minted
+    required = [n for n, f in AssertionClaims.model_fields.items() if f.is_required()]
+    # iat, exp and jti are filled by mint; every other required claim but iss is named.
+    expected = [n for n in required if n not in {"iss", "iat", "exp", "jti"}]
+    assert "aud" in expected and "scope" in expected  # derived from the model, not a copy
+    assert captured.err.splitlines() == [
+        f"sandbox-supervisor: warning: claims the daemon requires are missing: {', '.join(expected)}",
+        "sandbox-supervisor: warning: claims the daemon does not know (it refuses the token): colour",
+    ]
+    # Complete claims: no warning at all.
+    complete = {name: "x" for name in expected + ["iss"]}
+    assert cli.main(["keys", "mint", "--key", str(key_path), "--claims", json.dumps(complete)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_mint_refuses_nan_claims(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    key_path, _ = generate(tmp_path)
+    assert cli.main(["keys", "mint", "--key", str(key_path), "--claims", '{"a": NaN}']) == 2
+    assert "NaN" in capsys.readouterr().err
+
+
+async def test_a_minted_token_opens_a_session_on_a_daemon_that_never_loads_joserfc(tmp_path: Path) -> None:
+    """`keys mint` signs with joserfc; the serving daemon verifies with cryptography alone and
+    must not import joserfc (about 2 MiB of idle memory). PYTHONPROFILEIMPORTTIME makes the
+    daemon list every module it imports, at start and while it admits the token, in its log."""
+    from sandbox_supervisor.testing.daemon import make_layout, running_daemon
+
+    layout = make_layout(tmp_path / "d")
+    key_path = tmp_path / SIGNING_KEY_FILENAME
+    key_path.write_text(json.dumps(layout.authority.signing_jwk()))
+    async with running_daemon(layout, env={"PYTHONPROFILEIMPORTTIME": "1"}) as process:
+        client = process.running.client()
+        claims = client.authority.claims_for(
+            sandbox_id=client.sandbox_id,
+            session_id=client.session_id,
+            session_sandbox_id=client.session_sandbox_id,
+            generation=1,
+            attempt_id="attempt-minted",
+            ack_floor=0,
+        )
+        for filled in ("iat", "exp", "jti"):
+            del claims[filled]
+        minted = subprocess.run(
+            [str(Path(sys.executable).parent / "sandbox-supervisor"), "keys", "mint",
+             "--key", str(key_path), "--claims", json.dumps(claims)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert (minted.returncode, minted.stderr) == (0, "")
+        async with client.connect(generation=1, attempt_id="attempt-minted", assertion=minted.stdout.strip()) as session:
+            state = await session.bootstrap(cwd=str(layout.workspace))
+            assert state["body"]["status"] == "ready"
+    imported = [line.split("|")[-1].strip() for line in process.log_text().splitlines() if line.startswith("import time:")]
+    assert "sandbox_supervisor.protocol.authority" in imported  # the probe saw the daemon's imports
+    assert not [name for name in imported if name.split(".")[0] == "joserfc"]

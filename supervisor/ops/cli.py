@@ -241,7 +241,13 @@ def _cmd_keys_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys_mint(args: argparse.Namespace) -> int:
-    from sandbox_supervisor.daemon.ops.keys import DEFAULT_LIFETIME_S, KeyFileError, load_signing_jwk, mint_assertion
+    from sandbox_supervisor.daemon.ops.keys import (
+        DEFAULT_LIFETIME_S,
+        KeyFileError,
+        claim_warnings,
+        load_signing_jwk,
+        mint_assertion,
+    )
 
     try:
         jwk = load_signing_jwk(args.key)
@@ -258,10 +264,14 @@ def _cmd_keys_mint(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     lifetime = DEFAULT_LIFETIME_S if args.lifetime is None else args.lifetime
     try:
-        print(mint_assertion(jwk, claims, lifetime_s=lifetime))
+        token = mint_assertion(jwk, claims, lifetime_s=lifetime)
     except ValueError as exc:
         _error(str(exc))
         return EXIT_CONFIG
+    # On stderr, so `$(sandbox-supervisor keys mint …)` still captures the token alone.
+    for warning in claim_warnings(claims):
+        _error(f"warning: {warning}")
+    print(token)
     return EXIT_OK
 
 

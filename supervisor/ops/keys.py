@@ -1,7 +1,9 @@
 """Development keys: an ES256 signing JWK, its public JWKS, and signed assertions.
 
-Self-contained on purpose (cryptography only): the daemon must not import `testing`, and a
-token minted here must not depend on the verifier's library to be correct.
+Keys are made with cryptography; assertions are signed by joserfc, a JOSE library, so a
+minted token does not depend on the daemon's own JWS reader (`protocol/authority.py`) to be
+correct. joserfc is imported inside `mint_assertion` only: the daemon never loads it (it would
+cost an idle daemon about 2 MiB; README, "Dependencies, and why each").
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+from sandbox_supervisor.protocol.authority import AssertionClaims
 
 SIGNING_KEY_FILENAME = "signing-key.jwk"
 JWKS_FILENAME = "jwks.json"
@@ -158,21 +160,6 @@ def _private_key(jwk: dict[str, Any]) -> ec.EllipticCurvePrivateKey:
     return ec.derive_private_key(int.from_bytes(d, "big"), ec.SECP256R1())
 
 
-def sign_compact(jwk: dict[str, Any], payload: dict[str, Any]) -> str:
-    """ES256 compact JWS: header {"alg","typ","kid"}, raw 64-byte r||s signature."""
-    header = {"alg": ALGORITHM, "typ": "JWT", "kid": jwk["kid"]}
-    signing_input = (
-        _b64url(json.dumps(header, separators=_COMPACT).encode())
-        + "."
-        # NaN/Infinity are not JSON; a verifier would refuse the token anyway.
-        + _b64url(json.dumps(payload, separators=_COMPACT, allow_nan=False).encode())
-    )
-    der = _private_key(jwk).sign(signing_input.encode("ascii"), ec.ECDSA(hashes.SHA256()))
-    r, s = decode_dss_signature(der)
-    raw = r.to_bytes(COORDINATE_BYTES, "big") + s.to_bytes(COORDINATE_BYTES, "big")
-    return f"{signing_input}.{_b64url(raw)}"
-
-
 def mint_assertion(
     jwk: dict[str, Any],
     claims: dict[str, Any],
@@ -190,4 +177,39 @@ def mint_assertion(
             raise ValueError("iat must be an integer to derive exp from it")
         payload["exp"] = iat + lifetime_s
     payload.setdefault("jti", str(uuid.uuid4()))
-    return sign_compact(jwk, payload)
+    try:
+        # NaN and Infinity are not JSON: joserfc would write them, and every verifier refuse.
+        json.dumps(payload, allow_nan=False)
+    except ValueError:
+        raise ValueError("claims must not contain NaN or Infinity") from None
+    # Imported here, not at the top: `keys mint` is the only user (module docstring).
+    from joserfc import jwt
+    from joserfc.jwk import ECKey
+
+    header = {"alg": ALGORITHM, "typ": "JWT", "kid": jwk["kid"]}
+    return jwt.encode(header, payload, ECKey.import_key(jwk), algorithms=[ALGORITHM])
+
+
+# The claims the daemon's verifier requires, and every claim it knows: read from its own model,
+# so a claim added to (or made optional in) AssertionClaims changes the warnings with it.
+REQUIRED_CLAIMS = tuple(name for name, field in AssertionClaims.model_fields.items() if field.is_required())
+KNOWN_CLAIMS = frozenset(AssertionClaims.model_fields)
+
+
+# Filled by mint_assertion when absent.
+FILLED_CLAIMS = frozenset({"iat", "exp", "jti"})
+
+
+def claim_warnings(claims: dict[str, Any]) -> list[str]:
+    """What would make the daemon refuse a token minted from these claims whatever their
+    values: a required claim missing (beyond those mint_assertion fills), or a claim it does not
+    know (the claim set is closed, docs/protocol.md §3.2). Warnings, not errors: a test may
+    mint an incomplete token on purpose."""
+    warnings = []
+    missing = [name for name in REQUIRED_CLAIMS if name not in claims and name not in FILLED_CLAIMS]
+    if missing:
+        warnings.append(f"claims the daemon requires are missing: {', '.join(missing)}")
+    unknown = sorted(set(claims) - KNOWN_CLAIMS)
+    if unknown:
+        warnings.append(f"claims the daemon does not know (it refuses the token): {', '.join(unknown)}")
+    return warnings
