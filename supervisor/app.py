@@ -25,11 +25,17 @@ from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 from sandbox_supervisor.daemon.auth.admission import UpgradeAdmission
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, refuse
 from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
-from sandbox_supervisor.daemon.auth.keyring import KeyRing
-from sandbox_supervisor.daemon.config import SupervisorConfig
+from sandbox_supervisor.daemon.auth.keyring import KeyRing, unusable_jwks
+from sandbox_supervisor.daemon.config import JWKS_FILE_KEY, SupervisorConfig, config_problem
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.edge.activation import ActivationError, open_daemon_listeners
-from sandbox_supervisor.daemon.edge.server import BoundListeners, FrontLimits, remove_unix_paths, serve
+from sandbox_supervisor.daemon.edge.server import (
+    BoundListeners,
+    FrontLimits,
+    ListenerUnavailable,
+    remove_unix_paths,
+    serve,
+)
 from sandbox_supervisor.daemon.ops.health import HTTP_UNAVAILABLE, health_response
 from sandbox_supervisor.daemon.ops.maintenance import give_space_back
 from sandbox_supervisor.daemon.ops.logs import configure_logging
@@ -428,10 +434,12 @@ def detect_isolation(config: SupervisorConfig) -> cgroup_modes.Cgroups:
 
 
 def open_keyring(config: SupervisorConfig) -> KeyRing:
+    path = config.authority.jwks_file
     try:
-        return KeyRing(config.authority.jwks_file)
+        return KeyRing(path)
     except (OSError, JwksError) as exc:
-        raise StartupError(f"authority.jwks_file: {exc}") from None
+        # Worded as check-config words it (ops/cli.py).
+        raise StartupError(config_problem(JWKS_FILE_KEY, unusable_jwks(path, exc))) from None
 
 
 def open_store(config: SupervisorConfig) -> StateStore:
@@ -714,6 +722,9 @@ def serve_main(config: SupervisorConfig) -> int:
         # what the operator can do (docs/operations.md, "Faults and what the daemon does").
         log.error("supervisor.state_refused", problem=exc.problem, detail=exc.detail, action=exc.action)
         return EXIT_CONFIG
+    except ListenerUnavailable as exc:
+        log.error("supervisor.start_failed", error=config_problem(exc.key, exc.reason))
+        return EXIT_CRASH
     except OSError as exc:
         log.error("supervisor.start_failed", error=str(exc))
         return EXIT_CRASH

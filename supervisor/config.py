@@ -7,6 +7,7 @@ together, each with its dotted key.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -387,12 +388,31 @@ def _section_models() -> dict[str, type[BaseModel]]:
 SECTIONS = _section_models()
 
 
+# The keys a start-up problem outside the models is reported under (app.py, edge/server.py).
+JWKS_FILE_KEY = "authority.jwks_file"
+
+# How close a name must be to a known one to be offered as "did you mean" (difflib's ratio:
+# 0.6 is its default; "tpc" → "tcp" is 0.67, "lsten" → "listen" 0.91).
+SUGGESTION_CUTOFF = 0.6
+
+
+def config_problem(key: str, message: str) -> str:
+    """One configuration problem as the operator reads it, `key: message`: check-config, serve
+    before it starts and the daemon's start-up refusals (`supervisor.bad_configuration`,
+    `supervisor.start_failed`) all word a problem with this, so each reads the same wherever
+    it is found."""
+    return f"{key}: {message}"
+
+
 class ConfigError(Exception):
     """Every problem found, each as (dotted key, message)."""
 
     def __init__(self, problems: list[tuple[str, str]]) -> None:
         self.problems = problems
-        super().__init__("; ".join(f"{key}: {message}" for key, message in problems))
+        super().__init__("; ".join(config_problem(key, message) for key, message in problems))
+
+    def lines(self) -> list[str]:
+        return [config_problem(key, message) for key, message in self.problems]
 
 
 def load_config(
@@ -503,7 +523,10 @@ def _describe(error: ErrorDetails, origins: Mapping[tuple[str, str], str]) -> tu
     loc = tuple(str(part) for part in error["loc"])
     key = ".".join(loc) if loc else "(config)"
     if error["type"] == "extra_forbidden":
-        message = "unknown key"
+        message = _unknown_name(loc)
+    elif error["type"] == "model_type" and len(loc) == 1:
+        # `listen = 5`: pydantic would say "a valid dictionary or instance of ListenConfig".
+        message = f"must be a table ([{loc[0]}] in TOML)"
     elif error["type"] == "missing":
         message = "required"
     else:
@@ -519,6 +542,19 @@ def _describe(error: ErrorDetails, origins: Mapping[tuple[str, str], str]) -> tu
     if sources:
         message = f"{message} (from {', '.join(sources)})"
     return key, message
+
+
+def _unknown_name(loc: tuple[str, ...]) -> str:
+    """An unknown section is called a section, an unknown key a key; either with the closest
+    known name when one is near enough (a typo), spelled as the operator would write it."""
+    if len(loc) == 1:
+        what, known, prefix = "section", list(SECTIONS), ""
+    else:
+        model = SECTIONS.get(loc[0])
+        known = list(model.model_fields) if model is not None and len(loc) == 2 else []
+        what, prefix = "key", f"{loc[0]}."
+    close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=SUGGESTION_CUTOFF)
+    return f"unknown {what}; did you mean {prefix}{close[0]}?" if close else f"unknown {what}"
 
 
 def masked_dict(config: SupervisorConfig) -> dict[str, JsonValue]:

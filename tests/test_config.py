@@ -195,7 +195,7 @@ def test_unknown_key_and_section_in_file_are_named(tmp_path: Path) -> None:
         load_config(path, env={})
     problems = problems_of(excinfo)
     assert problems["listen.bogus"].startswith("unknown key")
-    assert problems["nonsense"].startswith("unknown key")
+    assert problems["nonsense"].startswith("unknown section")
     assert str(path) in problems["listen.bogus"]
 
 

@@ -240,7 +240,7 @@ async def test_another_uid_is_closed_without_an_answer_and_root_upgrades(
                 assert session.generation == 1
 
         def counted() -> int:
-            return sum(e.get("peer_uid", 0) for e in recorder.events if e["event"] == "http.refused_summary")
+            return sum(e["counts"].get("peer_uid", 0) for e in recorder.events if e["event"] == "http.refused_summary")
 
         with trio.fail_after(ANSWER_TIMEOUT_S):
             while counted() < 3:

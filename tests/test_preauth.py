@@ -285,7 +285,7 @@ async def test_refusals_are_logged_as_one_summary_per_interval(tmp_path, authori
             assert response.status == 503
 
         def counted() -> int:
-            return sum(e.get("peer_limit", 0) for e in logs if e["event"] == "http.refused_summary")
+            return sum(e["counts"].get("peer_limit", 0) for e in logs if e["event"] == "http.refused_summary")
 
         with trio.fail_after(5):
             while counted() < refused:

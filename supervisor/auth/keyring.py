@@ -28,6 +28,14 @@ def _read(path: Path) -> KeySet:
     return load_jwks(data)
 
 
+def unusable_jwks(path: Path, exc: OSError | JwksError) -> str:
+    """Why the JWKS file at `path` cannot be used, as check-config and the daemon at start
+    both say it (under the key `authority.jwks_file`)."""
+    if isinstance(exc, OSError):
+        return f"cannot read {path}: {exc.strerror or exc}"
+    return f"{path} is not a usable JWKS: {exc}"
+
+
 def _stamp(path: Path) -> tuple[int, int, int] | None:
     try:
         st = os.stat(path)

@@ -509,6 +509,32 @@ async def open_tcp_listener(value: str) -> tuple[list[trio.SocketListener], list
     return listeners, bound
 
 
+# The configuration keys listeners come from: a listener that cannot be opened is reported
+# under its key, with its address as configured (README, "Command line").
+LISTEN_TCP_KEY = "listen.tcp"
+LISTEN_UNIX_KEY = "listen.unix"
+
+
+class _UnixPathRefused(OSError):
+    """The unix socket path is taken; the message names the path and why."""
+
+
+class ListenerUnavailable(OSError):
+    """A configured listener could not be opened: its configuration key, its address as
+    configured and why, worded for the operator (`reason`)."""
+
+    def __init__(self, key: str, address: str, exc: OSError) -> None:
+        super().__init__(exc.errno, exc.strerror or str(exc))
+        self.key = key
+        self.address = address
+        if isinstance(exc, _UnixPathRefused):
+            self.reason = str(exc.strerror)  # already names the path
+        elif exc.errno == errno.EADDRINUSE:
+            self.reason = f"{address} is in use: another process listens on it"
+        else:
+            self.reason = f"cannot listen on {address}: {exc.strerror or exc}"
+
+
 # The (device, inode) of every unix socket node this process bound, by path.
 _created_unix_nodes: dict[str, tuple[int, int]] = {}
 
@@ -523,7 +549,7 @@ def _remove_stale_unix_socket(path: Path) -> None:
         return
     if not stat.S_ISSOCK(mode):
         # Refusing beats deleting someone's regular file because a config pointed at it.
-        raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+        raise _UnixPathRefused(errno.EEXIST, f"{path} exists and is not a socket")
     probe = stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
     probe.settimeout(UNIX_PROBE_TIMEOUT_S)
     try:
@@ -533,11 +559,11 @@ def _remove_stale_unix_socket(path: Path) -> None:
     except OSError as exc:
         # Cannot tell: a full backlog (EAGAIN, a timeout), a socket of another user (EACCES).
         # Someone may be serving on it; refusing to start is the safe answer.
-        raise OSError(
+        raise _UnixPathRefused(
             errno.EADDRINUSE, f"{path} may be in use (connecting to it failed: {exc.strerror or exc})"
         ) from None
     else:
-        raise OSError(errno.EADDRINUSE, f"{path} is in use: another process listens on it")
+        raise _UnixPathRefused(errno.EADDRINUSE, f"{path} is in use: another process listens on it")
     finally:
         probe.close()
     path.unlink(missing_ok=True)
@@ -568,11 +594,17 @@ async def open_listeners(tcp: list[str], unix: list[str]) -> BoundListeners:
     bound_tcp: list[str] = []
     try:
         for value in tcp:
-            opened, names = await open_tcp_listener(value)
+            try:
+                opened, names = await open_tcp_listener(value)
+            except OSError as exc:
+                raise ListenerUnavailable(LISTEN_TCP_KEY, value, exc) from None
             listeners.extend(opened)
             bound_tcp.extend(names)
         for path in unix:
-            listeners.append(await open_unix_listener(path))
+            try:
+                listeners.append(await open_unix_listener(path))
+            except OSError as exc:
+                raise ListenerUnavailable(LISTEN_UNIX_KEY, path, exc) from None
     except BaseException:
         for listener in listeners:
             await trio.aclose_forcefully(listener)
@@ -598,7 +630,8 @@ async def _summarise_refusals(refusals: Refusals) -> None:
         await trio.sleep(REFUSAL_SUMMARY_INTERVAL_S)
         counts = refusals.drain()
         if counts:
-            log.info("http.refused_summary", interval_s=REFUSAL_SUMMARY_INTERVAL_S, **counts)
+            # Under one field: the reasons are data, and a line's field names a fixed set.
+            log.info("http.refused_summary", interval_s=REFUSAL_SUMMARY_INTERVAL_S, counts=counts)
 
 
 async def _summarise_accept_failures(failures: AcceptFailures) -> None:
@@ -607,7 +640,8 @@ async def _summarise_accept_failures(failures: AcceptFailures) -> None:
         await trio.sleep(ACCEPT_FAILURE_SUMMARY_INTERVAL_S)
         counts = failures.drain()
         if counts:
-            log.warning("http.accept_failed_summary", interval_s=ACCEPT_FAILURE_SUMMARY_INTERVAL_S, **counts)
+            # Under one field: errno names are data (upper case), not field names.
+            log.warning("http.accept_failed_summary", interval_s=ACCEPT_FAILURE_SUMMARY_INTERVAL_S, counts=counts)
 
 
 async def _run_handler(stream: trio.SocketStream, handler: Callable[[trio.SocketStream], Awaitable[None]]) -> None:

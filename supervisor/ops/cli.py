@@ -17,7 +17,15 @@ from typing import Any
 
 from sandbox_supervisor.daemon.exits import EXIT_CONFIG, EXIT_OK
 from sandbox_supervisor.daemon.version import UNKNOWN_VERSION, installed_version
-from sandbox_supervisor.daemon.config import ConfigError, SupervisorConfig, load_config, masked_dict
+from sandbox_supervisor.daemon.config import (
+    JWKS_FILE_KEY,
+    SECTIONS,
+    ConfigError,
+    SupervisorConfig,
+    config_problem,
+    load_config,
+    masked_dict,
+)
 
 PROG = "sandbox-supervisor"
 # What --version says when the code runs without installed metadata (the same as /healthz).
@@ -52,19 +60,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {installed_version() or UNKNOWN_VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the daemon")
+    serve = commands.add_parser(
+        "serve",
+        help="run the daemon",
+        description="Run the daemon. Each flag sets one configuration key over the file and the "
+        "SANDBOX_SUPERVISOR_* environment (README.md, \"Configuration\").",
+    )
     _add_config_flag(serve)
     serve.add_argument("--listen-tcp", action="append", metavar="HOST:PORT",
-                       help="TCP listener (repeatable; replaces listen.tcp)")
+                       help=_override_help("a TCP listener; repeatable, replaces the whole list", "listen_tcp"))
     serve.add_argument("--listen-unix", action="append", metavar="PATH",
-                       help="unix socket listener (repeatable; replaces listen.unix)")
-    serve.add_argument("--state-dir", metavar="DIR")
-    serve.add_argument("--workspace-root", metavar="DIR")
-    serve.add_argument("--sandbox-id-file", metavar="FILE")
-    serve.add_argument("--jwks-file", metavar="FILE")
-    serve.add_argument("--issuer", metavar="S")
-    serve.add_argument("--log-format", choices=("json", "console"))
-    serve.add_argument("--log-level", metavar="L")
+                       help=_override_help("a unix socket listener; repeatable, replaces the whole list",
+                                           "listen_unix"))
+    serve.add_argument("--state-dir", metavar="DIR",
+                       help=_override_help("where the state database, journal and spools live", "state_dir"))
+    serve.add_argument("--workspace-root", metavar="DIR",
+                       help=_override_help("the directory a bootstrap's agent.cwd must lie in", "workspace_root"))
+    serve.add_argument("--sandbox-id-file", metavar="FILE",
+                       help=_override_help("the file holding this sandbox's id", "sandbox_id_file"))
+    serve.add_argument("--jwks-file", metavar="FILE",
+                       help=_override_help("the public keys (JWKS) assertions are checked with", "jwks_file"))
+    serve.add_argument("--issuer", metavar="S", help=_override_help("the assertions' required iss", "issuer"))
+    serve.add_argument("--log-format", choices=("json", "console"),
+                       help=_override_help("json lines, or console lines for a person", "log_format"))
+    serve.add_argument("--log-level", metavar="L",
+                       help=_override_help("debug, info, warning, error or critical", "log_level"))
     serve.set_defaults(handler=_cmd_serve)
 
     check = commands.add_parser("check-config", help="validate and print the configuration")
@@ -87,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="development keys and assertions")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     generate = key_commands.add_parser("generate", help="write signing-key.jwk and jwks.json")
-    generate.add_argument("--out-dir", required=True, type=Path, metavar="DIR")
+    generate.add_argument("--out-dir", required=True, type=Path, metavar="DIR",
+                          help="the directory to write both files into (created when missing)")
     generate.add_argument("--kid", help="key id (default: the key's RFC 7638 thumbprint)")
     generate.add_argument("--force", action="store_true", help="replace existing files")
     generate.set_defaults(handler=_cmd_keys_generate)
@@ -124,6 +145,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _override_help(text: str, dest: str) -> str:
+    """A serve flag's help: what it sets, the key it overrides and that key's default, read
+    from the configuration models (so the help cannot drift from them)."""
+    key = SERVE_OVERRIDES[dest]
+    section, name = key.split(".")
+    field = SECTIONS[section].model_fields[name]
+    if field.is_required():
+        default = "required: here, in the file or in the environment"
+    else:
+        value = field.get_default(call_default_factory=True)
+        shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+        default = f"default: {shown or 'none'}"
+    # argparse expands %-formats in help text: a literal % in a default must be doubled.
+    return f"{text} (sets {key}; {default})".replace("%", "%%")
+
+
 def _add_config_flag(parser: argparse.ArgumentParser) -> None:
     # Optional: without it, defaults and SANDBOX_SUPERVISOR_* variables must suffice.
     parser.add_argument("--config", type=Path, metavar="FILE", help="TOML configuration file")
@@ -150,8 +187,8 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any]) -> SupervisorConf
     try:
         return load_config(args.config, overrides=overrides)
     except ConfigError as exc:
-        for key, message in exc.problems:
-            print(f"{key}: {message}", file=sys.stderr)
+        for line in exc.lines():
+            print(line, file=sys.stderr)
         return None
 
 
@@ -168,35 +205,25 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     config = _load(args, {})
     if config is None:
         return EXIT_CONFIG
-    problems = _jwks_problems(config.authority.jwks_file)
-    if problems:
-        for key, message in problems:
-            print(f"{key}: {message}", file=sys.stderr)
+    problem = _jwks_problem(config.authority.jwks_file)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return EXIT_CONFIG
     print(json.dumps(masked_dict(config), indent=2))
     return EXIT_OK
 
 
-def _jwks_problems(path: Path) -> list[tuple[str, str]]:
-    """The daemon exits 2 at start on an unusable JWKS file; check-config says so first."""
-    key = "authority.jwks_file"
+def _jwks_problem(path: Path) -> str | None:
+    """The daemon exits 2 at start on an unusable JWKS file; check-config says so first, in
+    the same words (auth/keyring.py reads the file for both)."""
+    from sandbox_supervisor.daemon.auth.keyring import KeyRing, unusable_jwks
+    from sandbox_supervisor.protocol.authority import JwksError
+
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        return [(key, f"cannot read {path}: {exc.strerror}")]
-    try:
-        from sandbox_supervisor.protocol.authority import load_jwks
-    except ImportError:  # the verifier is not installed: at least require JSON
-        try:
-            json.loads(data)
-        except ValueError:
-            return [(key, f"{path} is not JSON")]
-        return []
-    try:
-        load_jwks(data)
-    except Exception as exc:  # any refusal of the key set is a configuration problem
-        return [(key, f"{path} is not a usable JWKS: {exc}")]
-    return []
+        KeyRing(path)
+    except (OSError, JwksError) as exc:
+        return config_problem(JWKS_FILE_KEY, unusable_jwks(path, exc))
+    return None
 
 
 def _cmd_reset_state(args: argparse.Namespace) -> int:

@@ -2,16 +2,21 @@
 
 Logging is best-effort telemetry: a failure to write a log line must never change what the
 daemon does, so the logger factory swallows write errors.
+
+Field names are snake_case with their unit (`duration_ms`, `retry_s`), except the
+`sandbox.startup-stage` facts, which keep the names the platform's boot timeline reads
+(`duration`, `sessionId`: docs/protocol.md §5.2). tests/test_log_fields.py checks every call.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from enum import Enum
 from typing import TextIO, cast
 
 import structlog
-from structlog.typing import FilteringBoundLogger
+from structlog.typing import EventDict, FilteringBoundLogger, WrappedLogger
 
 LEVELS = {
     "debug": logging.DEBUG,
@@ -41,6 +46,16 @@ class _SafeWriter:
             pass
 
 
+def enum_values(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
+    """An Enum field logs as its value: `code=1000`, not the console renderer's repr
+    `<CloseReason.NORMAL_CLOSURE: 1000>` (JSON lines already wrote an IntEnum's value, but a
+    plain Enum's repr). One rule for both formats, so a field reads the same in each."""
+    for key, value in event_dict.items():
+        if isinstance(value, Enum):
+            event_dict[key] = value.value
+    return event_dict
+
+
 def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> None:
     renderer = (
         structlog.processors.JSONRenderer(sort_keys=False)
@@ -53,6 +68,7 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            enum_values,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),

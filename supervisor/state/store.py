@@ -642,7 +642,7 @@ class StateStore:
         except sqlite3.Error as exc:
             log.warning("state.vacuum_failed", error=str(exc))
             return
-        log.info("state.vacuumed", duration_s=round(time.monotonic() - started, 3), bytes=self.path.stat().st_size)
+        log.info("state.vacuumed", duration_ms=round((time.monotonic() - started) * 1000, 3), bytes=self.path.stat().st_size)
 
     def free_pages(self) -> int:
         """Pages of the database file that hold nothing (freed by pruning)."""
