@@ -23,6 +23,25 @@ from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout
 
 ZERO = "0" * 40
 
+# One line for each term a reader meets, printed where it first appears (Narrator.explain).
+EXPLANATIONS = {
+    "generation": "a number the control plane raises with each connection: the daemon acts "
+    "only on the newest, and refuses an older one (409 stale_generation), so two control "
+    "planes never drive one sandbox at once",
+    "seq": "every event the daemon sends (output, results) is journaled first and numbered "
+    "in order, so a dropped connection loses none of them",
+    "ack floor": "the highest seq up to which the client holds every event: acking it lets "
+    "the daemon delete those events, and a reconnect asks for everything after it",
+    "replay": "on a reconnect the daemon first sends every journaled event after the ack "
+    "floor, in seq order, then goes on live, with no gap and no repeat at the seam",
+    "idempotency key": "the client's name for a call: a retry with the same key runs nothing "
+    "again and is answered from the stored result (tool.replayed)",
+}
+CLOSING = (
+    "Read on: docs/protocol.md (the wire protocol, every frame and code) and "
+    "docs/client-contract.md (what a client does after each close code and refusal)"
+)
+
 
 def blob_sha(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
@@ -32,6 +51,7 @@ class Narrator:
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self.step = 0
+        self.explained: set[str] = set()
 
     def title(self, text: str) -> None:
         print(text, file=self.out, flush=True)
@@ -42,6 +62,13 @@ class Narrator:
 
     def detail(self, text: str) -> None:
         print(f"      {text}", file=self.out, flush=True)
+
+    def explain(self, *terms: str) -> None:
+        """One line per term, the first time it appears only."""
+        for term in terms:
+            if term not in self.explained:
+                self.explained.add(term)
+                self.detail(f"({term}: {EXPLANATIONS[term]})")
 
 
 def is_output(frame: JsonObject, call_id: str) -> bool:
@@ -212,6 +239,7 @@ async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
                 f"connect generation {session.generation} over TCP, bootstrap -> runtime.state "
                 f"{body['status']} (scopes {' '.join(body['scopes'])})"
             )
+            n.explain("generation")
             read = await session.call_and_wait("read_file", {"path": "README.md"})
             n.say(f"read_file README.md -> {read['result']['size']} bytes, sha {read['result']['sha'][:12]}")
             old = (layout.workspace / "README.md").read_bytes()
@@ -227,7 +255,8 @@ async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
             )
             await run_shell_steps(n, session)
             await session.ack()
-            n.detail(f"acked through seq {client.state.acked}")
+            n.detail(f"events.ack through seq {client.state.acked}: the ack floor is now {client.state.acked}")
+            n.explain("seq", "ack floor")
 
             # The response to this call is lost: the connection drops before it is read.
             lost_params = {
@@ -252,8 +281,9 @@ async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
             )
             n.say(
                 f"reconnect generation {session.generation} over unix with ack floor {floor} -> "
-                f"seq {lost['seq']} tool.result of the lost call arrives (ok: {lost['body']['ok']})"
+                f"the replay brings seq {lost['seq']}: tool.result of the lost call arrives (ok: {lost['body']['ok']})"
             )
+            n.explain("replay")
             retry = await session.call("apply_file_patch", lost_params, idempotency_key="demo-patch-2")
             frame = await session.receive_until(lambda f: f["kind"] == "tool.replayed")
             assert frame["body"]["call_id"] == retry
@@ -262,12 +292,14 @@ async def run_demo(root: Path, out: TextIO = sys.stdout) -> int:
                 f"{frame['body']['original']['seq']}; NOTES.md written once: "
                 f"{(layout.workspace / 'NOTES.md').read_text().strip()!r}"
             )
+            n.explain("idempotency key")
             await run_terminal_steps(n, session)
             await session.ack()
         await run_survivor_steps(n, process, client, cwd)
     finally:
         code = await process.stop()
     n.say(f"SIGTERM -> daemon exited with status {code}")
+    n.title(CLOSING)
     return 0 if code == 0 else 1
 
 

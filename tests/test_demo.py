@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sandbox_supervisor.testing.demo import CLOSING, EXPLANATIONS
+
 
 def test_demo_runs_a_whole_session_and_exits_0():
     completed = subprocess.run(
@@ -33,3 +35,12 @@ def test_demo_runs_a_whole_session_and_exits_0():
         "exited with status 0",
     ):
         assert promise in out, promise
+    # Each term is explained once, where it first appears: after the line that shows it.
+    lines = out.splitlines()
+    for term, text in EXPLANATIONS.items():
+        explained = [i for i, line in enumerate(lines) if line.strip() == f"({term}: {text})"]
+        assert len(explained) == 1, term
+        assert term in lines[explained[0] - 1] or term in lines[explained[0] - 2], term
+    assert lines[-1] == CLOSING
+    for doc in ("docs/protocol.md", "docs/client-contract.md"):
+        assert doc in CLOSING
