@@ -383,7 +383,7 @@ def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
     try:
         wanted = config.exec.command_identity()
     except ValueError as exc:  # the user was removed since the configuration was loaded
-        raise StartupError(f"exec.user: {exc}") from None
+        raise StartupError(config_problem("exec.user", str(exc))) from None
     if wanted is None:
         if os.geteuid() == 0:
             # The shipped unit runs the daemon as root: without [exec] user every command runs
@@ -408,9 +408,12 @@ def command_identity(config: SupervisorConfig) -> CommandIdentity | None:
     problems = writable_paths(guarded, wanted)
     if problems:
         raise StartupError(
-            "exec.user: the command user could change the daemon's state or sockets: "
-            + "; ".join(problems)
-            + " (make them owned by root and not group- or world-writable)"
+            config_problem(
+                "exec.user",
+                "the command user could change the daemon's state or sockets: "
+                + "; ".join(problems)
+                + " (make them owned by root and not group- or world-writable)",
+            )
         )
     return wanted
 
@@ -428,7 +431,7 @@ def detect_isolation(config: SupervisorConfig) -> cgroup_modes.Cgroups:
             pids_max=ex.pids_max,
         )
     except ValueError as exc:
-        raise StartupError(f"exec.cgroup_root: {exc}") from None
+        raise StartupError(config_problem("exec.cgroup_root", str(exc))) from None
     log.info("supervisor.isolation", **cgroups.describe())
     return cgroups
 
@@ -452,7 +455,7 @@ def open_store(config: SupervisorConfig) -> StateStore:
     except StoreFull:
         raise
     except (OSError, StoreError) as exc:
-        raise StartupError(f"paths.state_dir: {exc}") from None
+        raise StartupError(config_problem("paths.state_dir", str(exc))) from None
 
 
 def resolve_pending(
