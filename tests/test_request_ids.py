@@ -141,3 +141,15 @@ def test_the_longest_request_id_is_accepted():
     body = {"call_id": ABSENT_CALL, "stream": "stdout", "offset": 0, "length": 1, "request_id": "A-z.0:_" * 18 + "xy"}
     assert len(body["request_id"]) == MAX_REQUEST_ID_CHARS
     assert ExecReadOutputBody.model_validate(body).request_id == body["request_id"]
+
+
+async def test_the_reference_client_takes_its_own_answer_and_keeps_the_others(session):
+    """testing/client.py matches by request id: an answer to another request that arrives
+    first is kept for whoever asked, not taken for the helper's and not dropped."""
+    call_id = await _ended_command(session)
+    await session.send("exec.read_output", {"call_id": ABSENT_CALL, "stream": "stdout", "offset": 0, "length": 1, "request_id": "theirs"})
+    body, data = await session.read_output(call_id, "stderr", 0, 100)
+    assert (body["stream"], data) == ("stderr", b"err")
+    assert "request_id" not in body  # the helper's bookkeeping, not the caller's
+    kept = await session.answer("theirs")
+    assert kept["body"]["code"] == errors.UNKNOWN_CALL
