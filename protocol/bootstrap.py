@@ -96,7 +96,9 @@ class BootstrapBody(StrictModel):
 
     sessionId: Id  # camelCase: the wire name of the session frames (§6.1), used as is in code
     agent: AgentSpec
-    repositories: Annotated[list[Repository], Field(max_length=MAX_REPOSITORIES)] = []
+    # Required, as in the seed's closed schema: a body without it is refused like any body
+    # that does not match its schema (docs/protocol.md §5.2, §6.2); `[]` says "none".
+    repositories: Annotated[list[Repository], Field(max_length=MAX_REPOSITORIES)]
 
     @model_validator(mode="after")
     def _roots_under_cwd(self) -> BootstrapBody:
@@ -110,8 +112,7 @@ def bootstrap_digest(body: BootstrapBody) -> str:
     """SHA-256 hex of the canonical body; equal digests mean "the same bootstrap".
 
     Canonical form (keep it stable: it is persisted with the binding and compared after
-    restarts): `body.model_dump(mode="json")`, so defaults are filled in (absent
-    `repositories` is []) and an absent or null `env` is left out, serialised by `json.dumps`
+    restarts): `body.model_dump(mode="json")`, so an absent or null `env` is left out, serialised by `json.dumps`
     with sorted keys, separators (",", ":") and ensure_ascii=False, encoded as UTF-8.
     Repository order is kept: it is part of what the client said.
     """

@@ -30,7 +30,12 @@ FILE_TOO_LARGE = "file_too_large"
 IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
 TOO_MANY_PROCESSES = "too_many_processes"
 RESOURCE_EXHAUSTED = "resource_exhausted"
+# A call cut by a stop or a crash (resolved at the next start) or whose command host died:
+# the call is complete, its key answers this result for ever. The seed's name.
 INTERRUPTED = "interrupted"
+# A command or process refused because the supervisor's stop has begun: nothing started, the
+# key is free. Not `interrupted`: that one completes the key, and a client must tell them apart.
+SUPERVISOR_STOPPING = "supervisor_stopping"
 INTERNAL = "internal"
 
 # --- HTTP answers of the front and the upgrade gate (docs/protocol.md §1, §2) ---
@@ -97,6 +102,7 @@ TOOL_ERROR_CODES = frozenset(
         IDEMPOTENCY_KEY_REUSED,
         TOO_MANY_PROCESSES,
         RESOURCE_EXHAUSTED,
+        SUPERVISOR_STOPPING,
         INTERRUPTED,
         INTERNAL,
     }
@@ -246,9 +252,14 @@ TOOL_ERROR_MEANINGS: dict[str, str] = {
         "or write (EMFILE, ENFILE, ENOMEM, ENOSPC, EDQUOT); nothing ran or was written, and "
         "the key is free again: retry later."
     ),
+    SUPERVISOR_STOPPING: (
+        "execute_shell_command or start_process once the supervisor's stop has begun: nothing "
+        "started, and the key is free again; send the call again to the next supervisor."
+    ),
     INTERRUPTED: (
-        "A stop or a crash cut the call and the next start resolved it (never re-run); or a "
-        "command refused because the stop had begun (the key is free again)."
+        "A stop or a crash cut the call and the next start resolved it, or the command host "
+        "died while the command ran: the call is complete (never re-run) and its key answers "
+        "this result; a command's exec.completed then has interrupted: true."
     ),
     INTERNAL: (
         "The file system refused a read or a write, or a command could not be started, for "

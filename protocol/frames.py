@@ -56,6 +56,10 @@ EXEC_WRITE_STDIN: Final = "exec.write_stdin"
 EXEC_CLOSE_STDIN: Final = "exec.close_stdin"
 EXEC_RESIZE: Final = "exec.resize"
 EXEC_LIST: Final = "exec.list"
+# The client frames that may carry a request_id (echoed in their answer).
+REQUEST_ID_KINDS = frozenset(
+    {EXEC_SIGNAL, EXEC_READ_OUTPUT, EXEC_WRITE_STDIN, EXEC_CLOSE_STDIN, EXEC_RESIZE, EXEC_LIST}
+)
 CLIENT_KINDS = frozenset(
     {
         SESSION_BOOTSTRAP,
@@ -125,6 +129,27 @@ MAX_REASON_CHARS = 200
 Signal = Literal["SIGINT", "SIGTERM", "SIGKILL", "SIGHUP"]
 BASE64_PATTERN = r"^[A-Za-z0-9+/]*={0,2}$"
 
+# A client-chosen id on an exec.* request, echoed in the reply's body (§6.3): with several
+# reads of one call in flight, or an error that could answer any of them, the id is what
+# matches a reply to its request. The characters of a routing id (§2.1), so it needs no
+# escaping in logs or JSON; echoed only when given, so clients that send none see nothing new.
+MAX_REQUEST_ID_CHARS = 128
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
+REQUEST_ID_FIELD: Final = "request_id"
+RequestId = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern=REQUEST_ID_PATTERN)
+]
+_REQUEST_ID_ADAPTER: TypeAdapter[str] = TypeAdapter(RequestId)
+
+
+def readable_request_id(value: object) -> str | None:
+    """`value` when it is a valid request id, else None: what an error about a frame that
+    failed its schema may echo (never text the schema refused)."""
+    try:
+        return _REQUEST_ID_ADAPTER.validate_python(value, strict=True)
+    except ValidationError:
+        return None
+
 
 # =============================== client frames ===============================
 
@@ -136,6 +161,7 @@ class AckBody(StrictModel):
 class ExecSignalBody(StrictModel):
     call_id: CallId
     signal: Signal
+    request_id: RequestId | None = optional_field()
 
 
 class ExecReadOutputBody(StrictModel):
@@ -146,6 +172,7 @@ class ExecReadOutputBody(StrictModel):
     length: Annotated[int, Field(ge=1, le=MAX_BINARY_OUTPUT_PAGE_LENGTH)]
     # "binary": the page comes as a binary message (§6.5.1); absent or "json": as JSON.
     format: OutputPageFormat | None = optional_field()
+    request_id: RequestId | None = optional_field()
 
     @property
     def binary(self) -> bool:
@@ -162,6 +189,7 @@ class ExecWriteStdinBody(StrictModel):
     call_id: CallId
     offset: Count  # the stdin offset of data's first byte (§7.7.2)
     data: Annotated[str, StringConstraints(max_length=MAX_STDIN_WRITE_CHARS, pattern=BASE64_PATTERN)]
+    request_id: RequestId | None = optional_field()
 
     @field_validator("data")
     @classmethod
@@ -180,16 +208,18 @@ class ExecWriteStdinBody(StrictModel):
 class ExecCloseStdinBody(StrictModel):
     call_id: CallId
     offset: Count  # every byte below it must have been written: EOF comes after them
+    request_id: RequestId | None = optional_field()
 
 
 class ExecResizeBody(StrictModel):
     call_id: CallId
     rows: Annotated[int, Field(ge=1, le=MAX_PTY_CELLS)]
     cols: Annotated[int, Field(ge=1, le=MAX_PTY_CELLS)]
+    request_id: RequestId | None = optional_field()
 
 
 class ExecListBody(StrictModel):
-    pass
+    request_id: RequestId | None = optional_field()
 
 
 class SessionBootstrapFrame(StrictModel):
@@ -316,6 +346,7 @@ class ErrorBody(StrictModel):
     code: str
     message: str
     call_id: CallId | None = optional_field()
+    request_id: RequestId | None = optional_field()  # the exec.* request's, when it gave one
 
 
 class ErrorFrame(ServerFrameBase):
@@ -330,6 +361,7 @@ class ExecOutputPageBody(StrictModel):
     data: Annotated[str, StringConstraints(pattern=BASE64_PATTERN)]  # the exact bytes, base64
     eof: bool  # the stream has ended and this page reaches its end
     truncated: bool  # the spool hit its cap
+    request_id: RequestId | None = optional_field()  # the request's, when it gave one
 
 
 class ExecOutputPageFrame(ServerFrameBase):
@@ -347,6 +379,7 @@ class ExecOutputPageHeaderBody(StrictModel):
     bytes: Count
     eof: bool
     truncated: bool
+    request_id: RequestId | None = optional_field()
 
 
 class ExecOutputPageHeader(ServerFrameBase):
@@ -389,6 +422,7 @@ class ExecStdinAckBody(StrictModel):
     # (the rest was not taken yet: send it again from here).
     next_offset: Count
     closed: bool  # stdin has been closed (EOF)
+    request_id: RequestId | None = optional_field()
 
 
 class ExecStdinAckFrame(ServerFrameBase):
@@ -418,6 +452,7 @@ class ProcessInfo(StrictModel):
 
 class ExecProcessesBody(StrictModel):
     processes: list[ProcessInfo]
+    request_id: RequestId | None = optional_field()
 
 
 class ExecProcessesFrame(ServerFrameBase):
@@ -583,7 +618,8 @@ class FrameError(ValueError):
     INVALID_FRAME (anything else). `message` is one sentence safe to send to the peer: it
     echoes nothing the peer sent except a kind name we know. `kind` and `reason` are for
     logs. `call_id` is the body's call_id when it is a readable uuid, so the error frame can
-    name the call.
+    name the call; `request_id` the body's request id when it is a valid one, so that a
+    client can match the error to its request.
     """
 
     def __init__(
@@ -593,6 +629,7 @@ class FrameError(ValueError):
         *,
         kind: str | None = None,
         call_id: str | None = None,
+        request_id: str | None = None,
         reason: str = "",
     ) -> None:
         super().__init__(message)
@@ -600,6 +637,7 @@ class FrameError(ValueError):
         self.message = message
         self.kind = kind
         self.call_id = call_id
+        self.request_id = request_id
         self.reason = reason
 
 
@@ -628,12 +666,14 @@ def _frame_error(raw: str | bytes, known_kinds: frozenset[str], reason: str) -> 
     body = document.get("body")
     call_id = body.get("call_id") if isinstance(body, dict) else None
     readable_call_id = call_id if is_call_id(call_id) else None
+    request_id = readable_request_id(body.get(REQUEST_ID_FIELD)) if isinstance(body, dict) else None
     if kind not in known_kinds:
         return FrameError(
             UNKNOWN_KIND,
             "Frame kind is not known.",
             kind=kind[:MAX_LOGGED_NAME_CHARS],
             call_id=readable_call_id,
+            request_id=request_id,
             reason=reason,
         )
     return FrameError(
@@ -641,6 +681,10 @@ def _frame_error(raw: str | bytes, known_kinds: frozenset[str], reason: str) -> 
         f"Frame does not match the {kind} schema.",
         kind=kind,
         call_id=readable_call_id,
+        # Only a kind that carries request ids echoes one (a tool.call's error is matched by
+        # its call_id). An unknown kind echoes it above: a client may have sent a newer exec.*
+        # kind than this daemon knows, and must still match the refusal to its request.
+        request_id=request_id if kind in REQUEST_ID_KINDS else None,
         reason=reason,
     )
 

@@ -9,6 +9,7 @@ control plane in another language can read it as an executable description of th
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -40,7 +41,12 @@ PAGES_IN_FLIGHT = 4
 FRAME_ERRORS = (errors.INVALID_FRAME, errors.UNKNOWN_KIND, errors.GENERATION_MISMATCH)
 # Results that never held the idempotency key (docs/protocol.md §8): after a tool.pending
 # they are not the one result the key's first execution will produce.
-NON_CLAIMING_CODES = frozenset({errors.TOO_MANY_PROCESSES, errors.RESOURCE_EXHAUSTED, errors.IDEMPOTENCY_KEY_REUSED})
+NON_CLAIMING_CODES = frozenset(
+    {errors.TOO_MANY_PROCESSES, errors.RESOURCE_EXHAUSTED, errors.SUPERVISOR_STOPPING, errors.IDEMPOTENCY_KEY_REUSED}
+)
+# The body field of an exec.* request that its answer echoes (docs/protocol.md §6.3): the
+# helpers below send one with every request and take the answer that carries it.
+REQUEST_ID = "request_id"
 # How often call_and_wait sends a call again (same key) after the daemon said it could not
 # record its result yet (error frame `internal` for the call).
 RECORD_RETRIES = 3
@@ -349,8 +355,8 @@ class ControlClient:
             yield ControlSession(self, ws, generation, attempt_id)
 
 
-def _read_request(call_id: str, stream: str, offset: int, length: int, binary: bool) -> JsonObject:
-    body: JsonObject = {"call_id": call_id, "stream": stream, "offset": offset, "length": length}
+def _read_request(call_id: str, stream: str, offset: int, length: int, binary: bool, request_id: str) -> JsonObject:
+    body: JsonObject = {"call_id": call_id, "stream": stream, "offset": offset, "length": length, REQUEST_ID: request_id}
     if binary:
         body["format"] = "binary"
     return body
@@ -374,6 +380,10 @@ def _binary_page(raw: bytes) -> JsonObject:
     return {**frame, "data": data}
 
 
+def _without_request_id(body: object) -> JsonObject:
+    return {name: value for name, value in _object(body, "a frame's body").items() if name != REQUEST_ID}
+
+
 def _non_claiming(body: JsonObject) -> bool:
     return not body.get("ok") and body.get("error", {}).get("code") in NON_CLAIMING_CODES
 
@@ -389,6 +399,21 @@ class ControlSession:
         self.generation = generation
         self.attempt_id = attempt_id
         self.keys: dict[str, str] = {}  # call_id → idempotency key of the calls sent here
+        self._request_numbers = itertools.count(1)
+        # Answers that carry a request_id, kept from the moment they arrive until a helper
+        # takes the one it asked for: whatever else was received meanwhile, none is lost.
+        self.answers: dict[str, JsonObject] = {}
+
+    def new_request_id(self) -> str:
+        return f"r{next(self._request_numbers)}"
+
+    async def answer(self, request_id: str, timeout: float = 10.0) -> JsonObject:
+        """The answer (a frame, or a binary page as `receive` returns it) whose body echoes
+        `request_id`: already received, or awaited."""
+        with trio.fail_after(timeout):
+            while request_id not in self.answers:
+                await self.receive(timeout=timeout)
+        return self.answers.pop(request_id)
 
     async def send(self, kind: str, body: JsonObject, *, generation: int | None = None) -> None:
         frame = {
@@ -405,11 +430,13 @@ class ControlSession:
         its header frame with the page's bytes under "data" (beside "kind" and "body")."""
         with trio.fail_after(timeout):
             raw = await self.ws.get_message()
-        if isinstance(raw, bytes):
-            return _binary_page(raw)
-        frame = _object(json.loads(raw), "a frame")
+        frame = _binary_page(raw) if isinstance(raw, bytes) else _object(json.loads(raw), "a frame")
         if isinstance(frame.get("seq"), int):
             self.client.state.events.setdefault(frame["seq"], frame)
+        else:
+            body = frame.get("body")
+            if isinstance(body, dict) and isinstance(body.get(REQUEST_ID), str):
+                self.answers[body[REQUEST_ID]] = frame
         return frame
 
     async def bootstrap(
@@ -462,24 +489,29 @@ class ControlSession:
     async def write_stdin(self, call_id: str, offset: int, data: bytes, timeout: float = 10.0) -> JsonObject:
         """exec.write_stdin; the exec.stdin_ack body (`next_offset`: where to go on from).
         Raises ExecRefused when the daemon answers with an `error` frame."""
-        body = {"call_id": call_id, "offset": offset, "data": base64.b64encode(data).decode("ascii")}
+        request_id = self.new_request_id()
+        body = {"call_id": call_id, "offset": offset, "data": base64.b64encode(data).decode("ascii"), REQUEST_ID: request_id}
         await self.send("exec.write_stdin", body)
-        return await self._stdin_answer(call_id, timeout)
+        return await self._exec_answer(request_id, call_id, "exec.stdin_ack", timeout)
 
     async def close_stdin(self, call_id: str, offset: int, timeout: float = 10.0) -> JsonObject:
         """exec.close_stdin once every byte below `offset` is written; the exec.stdin_ack body."""
-        await self.send("exec.close_stdin", {"call_id": call_id, "offset": offset})
-        return await self._stdin_answer(call_id, timeout)
+        request_id = self.new_request_id()
+        await self.send("exec.close_stdin", {"call_id": call_id, "offset": offset, REQUEST_ID: request_id})
+        return await self._exec_answer(request_id, call_id, "exec.stdin_ack", timeout)
 
-    async def _stdin_answer(self, call_id: str, timeout: float) -> JsonObject:
-        frame = await self.receive_until(
-            lambda f: f.get("kind") in ("exec.stdin_ack", "error") and _object(f.get("body", {}), "body").get("call_id") == call_id,
-            timeout,
-        )
-        body = _object(frame["body"], "a frame's body")
-        if frame["kind"] == "error":
-            raise ExecRefused(call_id, body)
-        return body
+    async def _exec_answer(self, request_id: str, call_id: str, kind: str, timeout: float) -> JsonObject:
+        """The answer to one exec.* request: its body, or ExecRefused for an error frame.
+        The body comes without the echoed request_id: that was this helper's bookkeeping."""
+        return _without_request_id((await self._exec_frame(request_id, call_id, kind, timeout))["body"])
+
+    async def _exec_frame(self, request_id: str, call_id: str, kind: str, timeout: float) -> JsonObject:
+        frame = await self.answer(request_id, timeout)
+        if frame.get("kind") == "error":
+            raise ExecRefused(call_id, _without_request_id(frame["body"]))
+        if frame.get("kind") != kind:
+            raise UnexpectedMessage(f"{frame.get('kind')!r} answered a request that {kind} answers")
+        return frame
 
     async def exec_completed(self, call_id: str, timeout: float = 10.0) -> JsonObject:
         """The exec.completed body of a command or held process: already received, or awaited."""
@@ -501,8 +533,9 @@ class ControlSession:
     ) -> tuple[JsonObject, bytes]:
         """One exec.read_output: the page's body and its bytes (decoded from base64 for a
         JSON page). Raises ExecRefused when the answer is an error frame."""
-        await self.send("exec.read_output", _read_request(call_id, stream, offset, length, binary))
-        return await self._page(call_id, stream, timeout)
+        request_id = self.new_request_id()
+        await self.send("exec.read_output", _read_request(call_id, stream, offset, length, binary, request_id))
+        return await self._page(request_id, call_id, timeout)
 
     async def read_stream(
         self,
@@ -520,48 +553,43 @@ class ControlSession:
         it ask again from where the bytes stop (polling until `timeout`). Raises
         ExecRefused when the daemon answers with an error frame."""
         data = bytearray()
-        next_offset = outstanding = 0
+        next_offset = 0
+        outstanding: list[str] = []  # the request ids in flight, oldest first
         with trio.fail_after(timeout):
             while True:
-                while outstanding < in_flight:
-                    await self.send("exec.read_output", _read_request(call_id, stream, next_offset, page_length, binary))
+                while len(outstanding) < in_flight:
+                    request_id = self.new_request_id()
+                    await self.send(
+                        "exec.read_output", _read_request(call_id, stream, next_offset, page_length, binary, request_id)
+                    )
                     next_offset += page_length
-                    outstanding += 1
-                body, page = await self._page(call_id, stream, timeout)
-                outstanding -= 1
+                    outstanding.append(request_id)
+                body, page = await self._page(outstanding.pop(0), call_id, timeout)
                 if body["offset"] != len(data):
                     raise UnexpectedMessage(f"a page at offset {body['offset']} where {len(data)} was next")
                 data += page
-                if body["eof"]:
-                    while outstanding:  # the answers to requests past the end
-                        await self._page(call_id, stream, timeout)
-                        outstanding -= 1
-                    return bytes(data), body
-                if len(page) < page_length:
-                    # The stream is still growing: what was asked past it is dropped.
+                if body["eof"] or len(page) < page_length:
+                    # The answers to requests past the end are dropped; a stream still
+                    # growing is asked again from where its bytes stop.
                     while outstanding:
-                        await self._page(call_id, stream, timeout)
-                        outstanding -= 1
+                        await self._page(outstanding.pop(0), call_id, timeout)
+                    if body["eof"]:
+                        return bytes(data), body
                     next_offset = len(data)
 
-    async def _page(self, call_id: str, stream: str, timeout: float) -> tuple[JsonObject, bytes]:
-        def answers(frame: JsonObject) -> bool:
-            body = frame.get("body")
-            if not isinstance(body, dict) or body.get("call_id") != call_id:
-                return False
-            return frame.get("kind") == "error" or (frame.get("kind") == "exec.output_page" and body.get("stream") == stream)
-
-        frame = await self.receive_until(answers, timeout)
-        body = _object(frame["body"], "a frame's body")
-        if frame["kind"] == "error":
-            raise ExecRefused(call_id, body)
+    async def _page(self, request_id: str, call_id: str, timeout: float) -> tuple[JsonObject, bytes]:
+        frame = await self._exec_frame(request_id, call_id, "exec.output_page", timeout)
+        body = _without_request_id(frame["body"])
         data = frame["data"] if "data" in frame else base64.b64decode(body["data"], validate=True)
         return body, data
 
     async def list_processes(self, timeout: float = 10.0) -> list[JsonObject]:
         """exec.list; the processes of exec.processes."""
-        await self.send("exec.list", {})
-        frame = await self.receive_until(lambda f: f.get("kind") == "exec.processes", timeout)
+        request_id = self.new_request_id()
+        await self.send("exec.list", {REQUEST_ID: request_id})
+        frame = await self.answer(request_id, timeout)
+        if frame.get("kind") != "exec.processes":
+            raise UnexpectedMessage(f"{frame.get('kind')!r} answered exec.list")
         processes = _object(frame["body"], "a frame's body").get("processes")
         assert isinstance(processes, list)
         return [_object(p, "a process") for p in processes]

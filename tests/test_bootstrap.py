@@ -41,6 +41,22 @@ async def test_first_frame_must_be_a_bootstrap(daemon, transport, first):
     assert daemon.supervisor.store.snapshot().terminated is None
 
 
+def without_repositories(daemon):
+    missing = body(daemon)
+    del missing["repositories"]
+    return missing
+
+
+async def test_first_bootstrap_without_repositories_closes_1002(daemon):
+    # The seed's schema requires `repositories`: a body without it does not match the schema,
+    # so as a first frame it closes like any other schema violation, and binds nothing.
+    async with daemon.client().connect() as session:
+        await session.send("session.bootstrap", without_repositories(daemon))
+        reason = await session.closed_reason()
+    assert (reason.code, reason.reason) == EXPECTED_BOOTSTRAP
+    assert daemon.supervisor.store.binding() is None
+
+
 async def test_binary_first_frame_closes_1003(daemon):
     async with daemon.client().connect() as session:
         await session.ws.send_message(b"\x00\x01")
@@ -106,6 +122,9 @@ async def test_bootstrap_resent_on_attached_socket_is_rechecked(daemon):
         await session.send("session.bootstrap", {"sessionId": "session-1"})
         error = await session.receive()
         assert error["kind"] == "error" and error["body"]["code"] == "invalid_frame"
+        await session.send("session.bootstrap", without_repositories(daemon))
+        error = await session.receive()
+        assert error["body"] == {"code": "invalid_frame", "message": "Frame does not match the session.bootstrap schema."}
 
 
 @pytest.mark.parametrize(

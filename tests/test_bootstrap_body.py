@@ -48,9 +48,15 @@ def invalid(document: dict[str, Any]) -> None:
 
 
 def test_minimal_body_fills_defaults() -> None:
-    parsed = valid({"sessionId": "s-1", "agent": {"cwd": "/", "profile": "p"}})
+    parsed = valid({"sessionId": "s-1", "agent": {"cwd": "/", "profile": "p"}, "repositories": []})
     assert parsed.repositories == []
     assert parsed.agent.env is None
+
+
+def test_repositories_is_required_as_in_the_seed_schema() -> None:
+    # The seed's closed schema requires the field; `[]` is how a client says "none".
+    invalid({"sessionId": "s-1", "agent": {"cwd": "/", "profile": "p"}})
+    assert "repositories" in BootstrapBody.model_json_schema()["required"]
 
 
 @pytest.mark.parametrize(
@@ -177,7 +183,7 @@ def test_session_id_follows_the_id_rules() -> None:
 
 
 def test_digest_is_sha256_of_the_documented_canonical_form() -> None:
-    parsed = valid({"agent": {"profile": "default", "cwd": "/wörk"}, "sessionId": "s-1"})
+    parsed = valid({"agent": {"profile": "default", "cwd": "/wörk"}, "sessionId": "s-1", "repositories": []})
     canonical = '{"agent":{"cwd":"/wörk","profile":"default"},"repositories":[],"sessionId":"s-1"}'
     assert bootstrap_digest(parsed) == hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -193,19 +199,19 @@ def test_digest_of_a_full_body_is_stable_across_releases() -> None:
 
 def test_digest_ignores_key_order_and_whitespace() -> None:
     one = valid(
-        json.loads('{"sessionId":"s-1","agent":{"cwd":"/w","profile":"p","env":{"A":"1","B":"2"}}}')
+        json.loads('{"sessionId":"s-1","agent":{"cwd":"/w","profile":"p","env":{"A":"1","B":"2"}},"repositories":[]}')
     )
     two = valid(
         json.loads(
             '{ "agent": {"env": {"B": "2", "A": "1"}, "profile": "p", "cwd": "/w"},'
-            ' "sessionId": "s-1" }'
+            ' "repositories": [], "sessionId": "s-1" }'
         )
     )
     assert bootstrap_digest(one) == bootstrap_digest(two)
 
 
-def test_absent_and_null_env_and_absent_repositories_digest_alike() -> None:
-    bare = valid({"sessionId": "s-1", "agent": {"cwd": "/w", "profile": "p"}})
+def test_absent_and_null_env_digest_alike() -> None:
+    bare = valid({"sessionId": "s-1", "agent": {"cwd": "/w", "profile": "p"}, "repositories": []})
     explicit = valid(
         {
             "sessionId": "s-1",

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from sandbox_supervisor.protocol import authority, closes, codes_doc, errors, frames, tools
+from sandbox_supervisor.protocol.addresses import parse_host_port
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -42,10 +43,21 @@ MARKER = re.compile(r"^<!-- example: (\S+) -->$")
 SECTION_NUMBER = re.compile(r"^(\d+(?:\.\d+)*)\.? ")
 SECTION_CITATION = re.compile(r"§(\d+(?:\.\d+)*)")
 
+def _listening_file(text: str) -> object:
+    """What supervisor/app.py's write_listening_file writes: {"tcp": [host:port…], "unix": [path…]}."""
+    document = json.loads(text)
+    assert set(document) == {"tcp", "unix"}, document
+    for address in document["tcp"]:
+        parse_host_port(address)
+    assert all(isinstance(path, str) and path.startswith("/") for path in document["unix"])
+    return document
+
+
 NON_FRAME_EXAMPLES: dict[str, Callable[[str], object]] = {
     "AssertionClaims": authority.AssertionClaims.model_validate_json,
     "JWKS": authority.load_jwks,
     "ExecOutputPageHeaderBody": frames.ExecOutputPageHeaderBody.model_validate_json,
+    "ListeningFile": _listening_file,
 }
 RESULT_MODELS = {spec.name: spec.result for spec in tools.TOOL_SPECS}
 
@@ -322,6 +334,43 @@ def test_close_table_in_protocol_md_matches_closes() -> None:
     documented = [(int(row[0]), "" if row[1] == "(empty)" else row[1].strip("`")) for row in rows]
     expected = [(close.code, close.reason) for close in closes.CLOSES if close.sender == "supervisor"]
     assert documented == expected
+
+
+CLIENT_CONTRACT_MD = DOCS / "client-contract.md"
+
+
+def _contract_rows(heading: str) -> list[list[str]]:
+    return table_after(CLIENT_CONTRACT_MD, heading)
+
+
+def test_the_client_contract_covers_every_close_the_supervisor_sends() -> None:
+    """Every close code and reason the supervisor can send (protocol/closes.py) has a row on
+    the client contract page saying what the client does."""
+    documented = {(int(row[0]), "" if row[1] == "(empty)" else row[1].strip("`")) for row in _contract_rows("After a close")}
+    expected = {(close.code, close.reason) for close in closes.CLOSES if close.sender == "supervisor"}
+    assert expected - documented == set()
+    assert all(row[3] for row in _contract_rows("After a close"))
+
+
+def test_the_client_contract_covers_every_http_refusal() -> None:
+    """Every HTTP refusal code (errors.HTTP_ERRORS: the front's and the gate's) has a row with
+    its status, and every bootstrap rejection and error frame code is on the page too."""
+    documented = {(row[1].strip("`"), int(row[0])) for row in _contract_rows("After an HTTP refusal")}
+    expected = {(code, status) for code, (status, _) in errors.HTTP_ERRORS.items()}
+    assert expected - documented == set()
+    rejections = {row[0].strip("`") for row in _contract_rows("After a bootstrap rejection")}
+    assert errors.BOOTSTRAP_REJECTION_CODES - rejections == set()
+    frame_errors = {row[0].strip("`") for row in _contract_rows("After an error frame")}
+    assert set(errors.FRAME_ERROR_MEANINGS) - frame_errors == set()
+    tool_codes = set()
+    for row in _contract_rows("Tool results: may the key be sent again"):
+        tool_codes |= set(re.findall(r"`(\w+)`", row[0]))
+    assert errors.TOOL_ERROR_CODES - tool_codes == set()
+
+
+def test_the_client_contract_is_linked_from_the_readme_and_the_protocol() -> None:
+    for path in (REPO / "README.md", PROTOCOL_MD):
+        assert "client-contract.md" in path.read_text(encoding="utf-8"), path
 
 
 def test_limits_in_the_code_name_existing_constants() -> None:

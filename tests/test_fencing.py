@@ -79,7 +79,7 @@ async def test_frames_of_superseded_socket_never_act(daemon):
             try:
                 await old.send(
                     "session.bootstrap",
-                    {"sessionId": client.session_id, "agent": {"cwd": str(other_cwd), "profile": "default"}},
+                    {"sessionId": client.session_id, "agent": {"cwd": str(other_cwd), "profile": "default"}, "repositories": []},
                     generation=1,
                 )
             except trio_websocket.ConnectionClosed:

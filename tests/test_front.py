@@ -26,6 +26,7 @@ from sandbox_supervisor.daemon.edge.http_front import (
 )
 from sandbox_supervisor.daemon.edge.server import FIRST_LINE_TIMEOUT_S
 from sandbox_supervisor.daemon.state.store import DB_FILENAME
+from sandbox_supervisor.daemon.runtime.shell import STOPPING_MESSAGE
 from sandbox_supervisor.testing.client import Endpoint, UpgradeRejected, http_request
 from sandbox_supervisor.testing.daemon import DaemonExitedEarly, in_process_daemon, make_layout, running_daemon
 from sandbox_supervisor.testing.fuzzing import fuzz_settings
@@ -60,7 +61,7 @@ async def test_health_fields_and_no_session_data(daemon, transport):
 async def test_a_real_sigterm_drains_health_upgrades_and_new_commands(tmp_path, authority):
     """SIGTERM to the daemon while a command ignores SIGTERM: until the kill grace ends the
     command, /healthz says draining (503), an upgrade is refused 503 draining, and a new
-    command on the still open socket is refused `interrupted` with its key freed."""
+    command on the still open socket is refused `supervisor_stopping` with its key freed."""
     layout = make_layout(tmp_path / "d", authority=authority, exec={"kill_grace_ms": 4000})
     async with running_daemon(layout) as process:
         running = process.running
@@ -83,7 +84,7 @@ async def test_a_real_sigterm_drains_health_upgrades_and_new_commands(tmp_path, 
             refused = await session.call_and_wait(
                 "execute_shell_command", {"command": "echo never"}, idempotency_key="late"
             )
-            assert refused["ok"] is False and refused["error"]["code"] == "interrupted"
+            assert refused["ok"] is False and refused["error"] == {"code": "supervisor_stopping", "message": STOPPING_MESSAGE}
         assert await process.wait(timeout=15) == 0
     conn = sqlite3.connect(layout.state_dir / DB_FILENAME)
     try:  # the refused command's key was freed with its result (a later retry may run)

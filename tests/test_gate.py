@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from sandbox_supervisor.protocol import headers as H
-from sandbox_supervisor.daemon.auth.gate import Lifecycle
+from sandbox_supervisor.daemon.auth.gate import BEARER_PREFIX_DETAIL, Lifecycle
 from sandbox_supervisor.testing import authority as forge
 from sandbox_supervisor.testing.authority import OMIT, LoopbackAuthority, combine_jwks
 from sandbox_supervisor.testing.client import BootstrapRejected, ControlClient, Endpoint, UpgradeRejected
@@ -150,6 +150,21 @@ async def test_row5_missing_assertion_is_401_with_challenge(daemon, transport):
     error = await rejected(client, assertion=None)
     assert (error.status, error.error) == (401, "invalid_authority")
     assert error.header("www-authenticate") == 'Bearer error="invalid_token"'
+
+
+async def test_row5_an_assertion_with_a_bearer_prefix_is_refused_and_logged_as_such(daemon, log_lines):
+    """The header takes the compact JWS alone (docs/client-contract.md): `Bearer <jws>`, as an
+    Authorization header would carry it, is a 401 like any malformed assertion, and the log
+    names the prefix so an operator sees the mistake."""
+    client = daemon.client()
+    token = client.mint(generation=1, attempt_id="attempt-bearer", ack_floor=0)
+    error = await rejected(client, generation=1, attempt_id="attempt-bearer", assertion=f"Bearer {token}")
+    assert (error.status, error.error) == (401, "invalid_authority")
+    assert error.header("www-authenticate") == 'Bearer error="invalid_token"'
+    refusals = [line for line in log_lines() if line.get("event") == "upgrade.rejected"]
+    assert [line["detail"] for line in refusals] == [BEARER_PREFIX_DETAIL]
+    async with client.connect(generation=1, attempt_id="attempt-bearer", assertion=token):
+        pass  # the same token alone is taken: nothing of it was used by the refusal
 
 
 async def test_row6_bound_to_another_session(daemon, transport):

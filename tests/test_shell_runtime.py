@@ -133,7 +133,7 @@ async def test_stop_all_ends_a_group_ignoring_sigterm_and_refuses_new_commands(s
         assert results[0]["signal"] == "SIGKILL" and results[0]["timed_out"] is False
         with pytest.raises(ToolFailure) as refused:
             await rig.run("true")
-        assert refused.value.code == errors.INTERRUPTED
+        assert refused.value.code == errors.SUPERVISOR_STOPPING
 
 
 async def test_signal_command_reaches_the_group_and_then_reports_not_running(store, tmp_path):

@@ -30,6 +30,12 @@ class GateState:
     fence_attempt_id: str | None
 
 
+# An assertion sent as an Authorization value would be: "Bearer <jws>". Refused like any
+# other malformed assertion (docs/client-contract.md), with its own log detail.
+BEARER_PREFIX = "bearer "
+BEARER_PREFIX_DETAIL = "assertion has a 'Bearer ' prefix; the header takes the compact JWS alone"
+
+
 @dataclass(frozen=True, slots=True)
 class Admit:
     headers: RoutingHeaders
@@ -92,6 +98,10 @@ def decide_upgrade(
 
     if headers.authority is None:
         return refuse(errors.INVALID_AUTHORITY, "assertion header missing", headers)
+    if headers.authority[: len(BEARER_PREFIX)].lower() == BEARER_PREFIX:
+        # The 401's WWW-Authenticate names the kind of credential (a bearer token, RFC 6750),
+        # not an Authorization header: the assertion goes alone, and the log says so.
+        return refuse(errors.INVALID_AUTHORITY, BEARER_PREFIX_DETAIL, headers)
     try:
         claims = verify(headers)
     except AuthorityError as exc:

@@ -59,7 +59,7 @@ log = structlog.get_logger("supervisor.calls")
 
 # Refusals that happen before any side effect and for a reason that passes: the key is
 # freed with the result, so the same call can be retried with the same key later.
-TRANSIENT_REFUSALS = frozenset({errors.TOO_MANY_PROCESSES, errors.RESOURCE_EXHAUSTED, errors.INTERRUPTED})
+TRANSIENT_REFUSALS = frozenset({errors.TOO_MANY_PROCESSES, errors.RESOURCE_EXHAUSTED, errors.SUPERVISOR_STOPPING})
 
 # Calls accepted and not yet finished. Results are journaled, not replied, so nothing else
 # slows a client that pipelines calls; past this many the socket's reader waits for a slot,

@@ -73,35 +73,38 @@ class Runtime:
         it acts only on processes it may see."""
         if isinstance(frame, ExecListFrame):
             listed = [] if self.processes is None else self.processes.listing(audience)
-            return ExecProcessesFrame(body=ExecProcessesBody.model_validate({"processes": listed}))
+            return ExecProcessesFrame(
+                body=ExecProcessesBody.model_validate({"processes": listed, "request_id": frame.body.request_id})
+            )
         call_id = frame.body.call_id
+        request_id = frame.body.request_id  # echoed in every answer (docs/protocol.md §6.3)
         seen: bool | None  # an ended held process the socket may see (None: not a held one)
         if self.processes is not None:
             held = self.processes.find(call_id)
             if held is not None:
                 if not self.processes.may_act(held, audience):
-                    return _error(errors.UNKNOWN_CALL, call_id)
+                    return _error(errors.UNKNOWN_CALL, call_id, request_id)
                 return await self._held_frame(self.processes, held, frame)
             seen = self.processes.may_see_ended(call_id, audience)
         else:
             seen = None
         if seen is False or (seen is None and not self.shell.may_see(call_id, audience)):
-            return _error(errors.UNKNOWN_CALL, call_id)  # as for a call that does not exist
+            return _error(errors.UNKNOWN_CALL, call_id, request_id)  # as for a call that does not exist
         if isinstance(frame, ExecSignalFrame):
             code = self.shell.signal_command(call_id, frame.body.signal)
-            return None if code is None else _error(code, call_id)
+            return None if code is None else _error(code, call_id, request_id)
         if isinstance(frame, ExecReadOutputFrame):
             return self._page(frame.body, None)
         # stdin and resize exist only for held processes; a command's stdin is /dev/null.
         code = errors.NOT_RUNNING if self.shell.known_call(call_id) else errors.UNKNOWN_CALL
-        return _error(code, call_id)
+        return _error(code, call_id, request_id)
 
     def _page(self, read: ExecReadOutputBody, writer_alive: bool | None) -> ServerFrameModel | bytes:
         """exec.read_output's answer: the page as JSON (base64), or as a binary message when
         the request asks for one (no base64, no JSON string: docs/protocol.md §6.5.1)."""
         page = self.shell.read_page(read.call_id, read.stream, read.offset, read.length, writer_alive=writer_alive)
         if page is None:
-            return _error(errors.UNKNOWN_CALL, read.call_id)
+            return _error(errors.UNKNOWN_CALL, read.call_id, read.request_id)
         if read.binary:
             header = ExecOutputPageHeaderBody(
                 call_id=read.call_id,
@@ -110,6 +113,7 @@ class Runtime:
                 bytes=len(page.data),
                 eof=page.eof,
                 truncated=page.truncated,
+                request_id=read.request_id,
             )
             return encode_binary_page(header, page.data)
         body = {
@@ -119,11 +123,13 @@ class Runtime:
             "data": base64.b64encode(page.data).decode("ascii"),
             "eof": page.eof,
             "truncated": page.truncated,
+            "request_id": read.request_id,
         }
         return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(body))
 
     async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | bytes | None:
         call_id = held.call_id
+        request_id = frame.body.request_id
         if isinstance(frame, ExecReadOutputFrame):
             return self._page(frame.body, held.exit is None)
         if isinstance(frame, ExecSignalFrame):
@@ -134,12 +140,12 @@ class Runtime:
             # Decodable and within MAX_STDIN_WRITE_BYTES: the frame model checked both.
             data = base64.b64decode(frame.body.data)
             ack = await processes.write_stdin(held, frame.body.offset, data)
-            return _error(ack, call_id) if isinstance(ack, str) else ExecStdinAckFrame(body=ExecStdinAckBody.model_validate(ack))
+            return _stdin_answer(ack, call_id, request_id)
         else:
             assert isinstance(frame, ExecCloseStdinFrame)
             ack = await processes.close_stdin(held, frame.body.offset)
-            return _error(ack, call_id) if isinstance(ack, str) else ExecStdinAckFrame(body=ExecStdinAckBody.model_validate(ack))
-        return None if code is None else _error(code, call_id)
+            return _stdin_answer(ack, call_id, request_id)
+        return None if code is None else _error(code, call_id, request_id)
 
 
 _MESSAGES = {
@@ -149,8 +155,15 @@ _MESSAGES = {
 }
 
 
-def _error(code: str, call_id: str, message: str | None = None) -> ErrorFrame:
+def _error(code: str, call_id: str, request_id: str | None, message: str | None = None) -> ErrorFrame:
     text = message if message is not None else _MESSAGES.get(code, HOLDER_FAILED_MESSAGE)
     if code not in _MESSAGES and message is None:
         code = errors.INTERNAL
-    return ErrorFrame(body=ErrorBody(code=code, message=text, call_id=call_id))
+    return ErrorFrame(body=ErrorBody(code=code, message=text, call_id=call_id, request_id=request_id))
+
+
+def _stdin_answer(ack: str | dict[str, Any], call_id: str, request_id: str | None) -> ServerFrameModel:
+    """exec.stdin_ack, or the error code a stdin frame was refused with."""
+    if isinstance(ack, str):
+        return _error(ack, call_id, request_id)
+    return ExecStdinAckFrame(body=ExecStdinAckBody.model_validate({**ack, "request_id": request_id}))

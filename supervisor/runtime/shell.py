@@ -77,6 +77,8 @@ CGROUP_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV})
 COMPLETION_GRACE_S = 0.2
 FALLBACK_SHELL = "/bin/sh"
 HOST_LOST_MESSAGE = "The supervisor's command host ended while the command ran; its exit status is unknown."
+# The answer to a command or process sent once the stop has begun (supervisor_stopping).
+STOPPING_MESSAGE = "The supervisor is stopping; the command was not started."
 # TERM of a command that has a terminal (a PTY) when neither its request nor its environment
 # names one: what xterm.js, the terminal of E2B's and most web front ends, emulates.
 DEFAULT_TERM = "xterm-256color"
@@ -484,7 +486,7 @@ class ShellRuntime:
                 errors.INVALID_PARAMETERS, "This call_id was already used for a command.", frees_key=True
             )
         if self.stopping:
-            raise ToolFailure(errors.INTERRUPTED, "The supervisor is stopping; the command was not started.")
+            raise ToolFailure(errors.SUPERVISOR_STOPPING, STOPPING_MESSAGE)
         if self.running + self.held_running() >= self.settings.max_processes:
             raise ToolFailure(
                 errors.TOO_MANY_PROCESSES,

@@ -163,8 +163,13 @@ class BindNotAllowed:
 BindOutcome = Bound | BindRefused | BindFailed | BindNotAllowed
 
 
-def error_reply(code: str, message: str, call_id: str | None = None) -> Reply:
-    return Reply(ErrorFrame(body=ErrorBody(code=code, message=message, call_id=call_id)))
+def error_reply(code: str, message: str, call_id: str | None = None, request_id: str | None = None) -> Reply:
+    return Reply(ErrorFrame(body=ErrorBody(code=code, message=message, call_id=call_id, request_id=request_id)))
+
+
+def request_id_of(frame: ClientFrameModel) -> str | None:
+    """The client-chosen request id of an exec.* frame (echoed in whatever answers it)."""
+    return frame.body.request_id if isinstance(frame, EXEC_FRAMES) else None
 
 
 class ControlChannel:
@@ -278,9 +283,9 @@ class ControlChannel:
 
     def _attached_frame(self, frame: ClientFrameModel | FrameError, holds_fence: bool) -> list[Action]:
         if isinstance(frame, FrameError):
-            return [error_reply(frame.code, frame.message, frame.call_id)]
+            return [error_reply(frame.code, frame.message, frame.call_id, frame.request_id)]
         if not self.may_act(frame.connectionGeneration, holds_fence=holds_fence):
-            return [error_reply(errors.GENERATION_MISMATCH, STALE_FRAME_MESSAGE)]
+            return [error_reply(errors.GENERATION_MISMATCH, STALE_FRAME_MESSAGE, request_id=request_id_of(frame))]
         if isinstance(frame, ToolCallFrame):
             return [SubmitCall(frame.body, frame.connectionGeneration)]
         if isinstance(frame, EventsAckFrame):
@@ -300,6 +305,6 @@ class ControlChannel:
         if isinstance(frame, EXEC_FRAMES):
             if EXEC_SCOPE not in self.scopes:
                 call_id = None if isinstance(frame, ExecListFrame) else frame.body.call_id
-                return [error_reply(errors.FORBIDDEN, EXEC_FORBIDDEN_MESSAGE, call_id)]
+                return [error_reply(errors.FORBIDDEN, EXEC_FORBIDDEN_MESSAGE, call_id, frame.body.request_id)]
             return [RunExec(frame)]
         raise LocalProtocolError(f"unhandled frame kind {frame.kind}")  # the decoder knows no other
