@@ -182,6 +182,15 @@ async def test_a_stop_ends_a_process_whose_holder_does_not_answer(tmp_path, auth
                 pass
 
 
+def unique_seconds(seconds: int) -> str:
+    """A `sleep` duration no other run uses (seconds plus a random fraction): the tests find
+    their own processes by command line, and suites in other checkouts run the same tests at
+    the same time on a shared machine, so a fixed `sleep 309` could match, and kill, theirs."""
+    import secrets
+
+    return f"{seconds}.{secrets.randbelow(10**9):09d}"
+
+
 def processes_running(argv: list[str]) -> list[int]:
     """The pids whose command line is exactly `argv` (not zombies)."""
     import os
@@ -218,7 +227,7 @@ async def test_a_failed_start_leaves_nothing_running_without_cgroups(tmp_path, a
 
     from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
-    marker = ["sleep", "307"]
+    marker = ["sleep", unique_seconds(307)]
     layout = make_layout(tmp_path / "d", authority=authority, exec={"cgroup": "off"})
     try:
         async with in_process_daemon(layout) as daemon:
@@ -229,7 +238,7 @@ async def test_a_failed_start_leaves_nothing_running_without_cgroups(tmp_path, a
                 # It races the holder's report of the spawn: tried until a start fails.
                 for attempt in range(KILLER_ATTEMPTS):
                     call_id = await session.call(
-                        "start_process", {"command": "kill -9 $PPID; sleep 307"}, idempotency_key=f"rv-killer-{attempt}"
+                        "start_process", {"command": f"kill -9 $PPID; sleep {marker[1]}"}, idempotency_key=f"rv-killer-{attempt}"
                     )
                     result = await session.result(call_id)
                     if not result["ok"]:
@@ -253,7 +262,7 @@ async def test_a_stop_during_a_start_ends_the_process_too(tmp_path, authority):
 
     from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 
-    marker = ["sleep", "309"]
+    marker = ["sleep", unique_seconds(309)]
     layout = make_layout(tmp_path / "d", authority=authority)
     survivors: list[int] = []
     try:
@@ -262,7 +271,7 @@ async def test_a_stop_during_a_start_ends_the_process_too(tmp_path, authority):
             for attempt, delay in enumerate(STOP_DURING_START_DELAYS_S):
                 async with client.connect() as session:
                     await session.bootstrap(cwd=str(layout.workspace))
-                    await session.call("start_process", {"command": "sleep 309"}, idempotency_key=f"rv-race-{attempt}")
+                    await session.call("start_process", {"command": f"sleep {marker[1]}"}, idempotency_key=f"rv-race-{attempt}")
                     await trio.sleep(delay)  # the race itself: no event marks "holder launching"
                     process.send_signal(signal.SIGTERM)
                     with trio.move_on_after(DEADLINE_S):
