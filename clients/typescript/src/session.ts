@@ -10,6 +10,7 @@ import {
   ConnectionClosed,
   ControlConnection,
   FrameRefused,
+  RequestTimeout,
   type OutputPage,
 } from "./connection.js";
 import { ConnectFailed, DEFAULT_CONTROL_PATH, openSocket, UpgradeRefused, type Endpoint } from "./endpoint.js";
@@ -99,6 +100,22 @@ export interface ReadOutputOptions {
   timeoutMs?: number;
 }
 
+/** A stdin write above the process's stdin offset: nothing was written (§7.7.2). */
+export class StdinGap extends Error {
+  constructor(readonly callId: string, readonly offset: number, readonly nextOffset: number) {
+    super(`stdin of ${callId} stands at ${nextOffset}, below this write's offset ${offset}: write the bytes before it first`);
+    this.name = "StdinGap";
+  }
+}
+
+/** The process's stdin is closed: nothing more can be written. */
+export class StdinClosed extends Error {
+  constructor(readonly callId: string, readonly nextOffset: number) {
+    super(`stdin of ${callId} is closed at ${nextOffset}`);
+    this.name = "StdinClosed";
+  }
+}
+
 export const DEFAULT_POLL_MS = 50;
 // Between retries of a stdin write whose bytes the holder's buffer could not take yet.
 export const STDIN_RETRY_MS = 20;
@@ -112,7 +129,7 @@ export class SupervisorSession {
   private acked = 0;
   private failures = 0;
   private connecting: Promise<ControlConnection> | undefined;
-  private readonly waiters = new Set<() => void>();
+  private readonly listeners = new Set<(event: EventFrame) => void>();
   private storing: Promise<void> = Promise.resolve();
   private closing = false;
 
@@ -168,13 +185,14 @@ export class SupervisorSession {
     let reject!: (error: Error) => void;
     const promise = new Promise<ToolResultBody>((res, rej) => ((resolve = res), (reject = rej)));
     const call: PendingCall = { tool, parameters, key, callIds: new Set(), pending: false, resolve, reject, promise };
+    const slot = key ?? options.callId ?? randomUUID(); // a call without a key: its own slot
     const settle = (): void => {
-      if (key !== undefined) this.calls.delete(key);
+      this.calls.delete(slot);
       for (const id of call.callIds) this.byCallId.delete(id);
     };
     call.resolve = (body) => (settle(), resolve(body));
     call.reject = (error) => (settle(), reject(error));
-    this.calls.set(key ?? options.callId ?? randomUUID(), call);
+    this.calls.set(slot, call);
     void this.connected()
       .then((connection) => this.sendCall(connection, call, options.callId))
       .catch((error: Error) => call.reject(error));
@@ -222,7 +240,7 @@ export class SupervisorSession {
       if (page.data.length > 0 || page.eof) yield page;
       if (page.eof) return;
       offset += page.data.length;
-      if (page.data.length === 0) await this.waitForOutput(options.pollMs ?? DEFAULT_POLL_MS);
+      if (page.data.length === 0) await this.waitForOutput(callId, options.pollMs ?? DEFAULT_POLL_MS);
     }
   }
 
@@ -251,8 +269,8 @@ export class SupervisorSession {
         if (error instanceof ConnectionClosed) continue;
         throw error;
       }
-      if (ack.closed) throw new Error(`stdin of ${callId} is closed at ${ack.next_offset}`);
-      if (ack.next_offset < offset) throw new Error(`stdin of ${callId} stands at ${ack.next_offset}, below this write's ${offset}: write the bytes before it first`);
+      if (ack.closed) throw new StdinClosed(callId, ack.next_offset);
+      if (ack.next_offset < offset) throw new StdinGap(callId, offset, ack.next_offset);
       if (data.length === 0) return ack.next_offset;
       if (ack.next_offset === next) await new Promise((resolve) => setTimeout(resolve, STDIN_RETRY_MS)); // buffer full
       next = Math.max(next, ack.next_offset);
@@ -283,25 +301,20 @@ export class SupervisorSession {
     return (await (await this.connected()).list()).processes;
   }
 
-  /** Resolves with the event with this seq, or once an event matching `predicate` came. */
+  /** The next event matching `predicate` (events stored from now on). */
   waitForEvent(predicate: (event: EventFrame) => boolean, timeoutMs = 30_000): Promise<EventFrame> {
     return new Promise((resolve, reject) => {
-      const previous = this.options.onEvent;
-      const timer = setTimeout(() => {
-        restore();
-        reject(new Error("no such event in time"));
-      }, timeoutMs);
-      const restore = (): void => {
+      const listener = (event: EventFrame): void => {
+        if (!predicate(event)) return;
         clearTimeout(timer);
-        this.options.onEvent = previous;
+        this.listeners.delete(listener);
+        resolve(event);
       };
-      this.options.onEvent = (event) => {
-        previous?.(event);
-        if (predicate(event)) {
-          restore();
-          resolve(event);
-        }
-      };
+      const timer = setTimeout(() => {
+        this.listeners.delete(listener);
+        reject(new RequestTimeout("an awaited event"));
+      }, timeoutMs);
+      this.listeners.add(listener);
     });
   }
 
@@ -449,7 +462,7 @@ export class SupervisorSession {
       await this.options.store.putEvent(event);
       if (event.kind === "tool.result") this.byCallId.get(event.body.call_id)?.resolve(event.body);
       this.options.onEvent?.(event);
-      for (const wake of this.waiters) wake();
+      for (const listener of [...this.listeners]) listener(event);
       await this.ack();
     });
   }
@@ -465,8 +478,9 @@ export class SupervisorSession {
 
   private onErrorFrame(connection: ControlConnection, body: ErrorBody): void {
     if (body.code === "generation_mismatch") {
-      // This socket no longer acts: a newer attempt passed the gate. The close that follows
-      // (1008 superseded) decides what to do; nothing sent on this socket ran.
+      // This socket no longer acts: a newer attempt passed the gate (another replica, as
+      // with 1008 superseded); nothing sent on it ran. Fighting back would supersede it.
+      this.stop("a newer connection attempt passed the gate (generation_mismatch)");
       connection.close();
       return;
     }
@@ -480,15 +494,19 @@ export class SupervisorSession {
     this.options.onError?.(body);
   }
 
-  private waitForOutput(ms: number): Promise<void> {
+  /** Until the next event of the call (output, its end) or `ms`, whichever comes first. */
+  private waitForOutput(callId: string, ms: number): Promise<void> {
     return new Promise((resolve) => {
       const done = (): void => {
         clearTimeout(timer);
-        this.waiters.delete(done);
+        this.listeners.delete(listener);
         resolve();
       };
+      const listener = (event: EventFrame): void => {
+        if (event.kind !== "event.withheld" && event.body.call_id === callId) done();
+      };
       const timer = setTimeout(done, ms);
-      this.waiters.add(done);
+      this.listeners.add(listener);
     });
   }
 }

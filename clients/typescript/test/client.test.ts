@@ -10,6 +10,7 @@ import { after, before, test } from "node:test";
 import {
   FrameRefused,
   MemoryStore,
+  StdinGap,
   type EventFrame,
   type ExecOutputEvent,
   type SupervisorSession,
@@ -164,6 +165,7 @@ test("a process on a PTY: stdin by offsets, never twice, resize, list, signal", 
   // A gap: nothing written, the ack says where stdin stands.
   const gap = await session.connection!.writeStdin(callId, 100, Buffer.from("zzz"));
   assert.deepEqual(gap, { call_id: callId, offset: 100, next_offset: 12, closed: false });
+  await assert.rejects(session.writeStdin(callId, Buffer.from("zzz"), 100), (error: unknown) => error instanceof StdinGap && error.nextOffset === 12);
   await until("world", () => outputText(callId).includes("world"));
   const text = outputText(callId);
   assert.equal(text.split("hello").length - 1, 1, text);
