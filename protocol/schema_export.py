@@ -6,6 +6,12 @@
 The models are the source of truth; the files are for control planes in other languages.
 `render_schemas` is pure; only `main` touches the file system (this module is a tool that
 lives next to the models it exports, not part of the wire logic).
+
+Every file is plain draft 2020-12 that strict validators take without options (Ajv 8's
+strict mode, Python's jsonschema): pydantic's output is post-processed by `portable` to drop
+what only OpenAPI tools read (`discriminator`) and formats a validator would have to be told
+about (`date-time`: the model's own pattern says it). tests/test_schemas_validators.py checks
+both validators, and the TypeScript client's tests run Ajv itself.
 """
 
 from __future__ import annotations
@@ -22,6 +28,23 @@ from pydantic import BaseModel, TypeAdapter
 from sandbox_supervisor.protocol import authority, bootstrap, frames, onboarding, tools
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+# Each file's `$id`: a name, not a location (nothing is served there), so that a validator
+# holding every file at once (Ajv's addSchema) tells them apart. `$ref`s stay in-file
+# (`#/$defs/…`), so no validator ever needs to fetch anything.
+SCHEMA_ID_PREFIX = "urn:sandbox-supervisor:protocol:v1:"
+# OpenAPI's `discriminator` is no JSON Schema keyword: Ajv's strict mode refuses it (and its
+# `mapping` even with `discriminator: true`). The `oneOf` it sits beside already tells the
+# kinds apart by their `const` kind (or tool_name), so dropping it loses nothing.
+OPENAPI_ONLY_KEYWORDS = frozenset({"discriminator"})
+# Formats a strict validator refuses unless the caller registers them; the fields carrying one
+# also carry the pattern the model checks (a test holds this), so the format adds nothing.
+UNDECLARED_FORMATS = frozenset({"date-time"})
+# Keywords whose value maps names to sub-schemas; the names are data, never keywords (a
+# property called `format` or `discriminator` is kept).
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "dependentSchemas"})
+_SCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems"})
+# Keywords whose value is data (an instance, a list of names): copied as they are.
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples", "required"})
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "schemas"
 
 # name -> model or union; the name is the file name (without .json). Any: the values are type
@@ -66,13 +89,39 @@ EXPORTED: dict[str, Any] = {
 }
 
 
+def portable(schema: Any) -> Any:
+    """`schema` without the keywords and formats of OPENAPI_ONLY_KEYWORDS and
+    UNDECLARED_FORMATS, walked by keyword (so a property named like a keyword stays)."""
+    if isinstance(schema, list):  # a sub-schema list (anyOf …) or a keyword's plain value
+        return [portable(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result: dict[str, Any] = {}
+    for keyword, value in schema.items():
+        if keyword in OPENAPI_ONLY_KEYWORDS:
+            continue
+        if keyword == "format" and value in UNDECLARED_FORMATS:
+            if "pattern" not in schema:
+                raise ValueError(f"format {value!r} without a pattern would lose its check")
+            continue
+        if keyword in _DATA_KEYWORDS:
+            result[keyword] = value
+        elif keyword in _SCHEMA_MAPS and isinstance(value, dict):
+            result[keyword] = {name: portable(sub) for name, sub in value.items()}
+        elif keyword in _SCHEMA_LISTS or isinstance(value, dict):
+            result[keyword] = portable(value)  # sub-schemas: items, not, if, additionalProperties …
+        else:
+            result[keyword] = value
+    return result
+
+
 def schema_of(name: str, target: Any) -> dict[str, Any]:
     if isinstance(target, type) and issubclass(target, BaseModel):
         schema = target.model_json_schema()
     else:
         schema = TypeAdapter(target).json_schema()
         schema.setdefault("title", name)
-    return {"$schema": SCHEMA_DIALECT, **schema}
+    return {"$schema": SCHEMA_DIALECT, "$id": f"{SCHEMA_ID_PREFIX}{name}.json", **portable(schema)}
 
 
 def render_schemas() -> dict[str, str]:

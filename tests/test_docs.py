@@ -34,7 +34,7 @@ SCHEMAS = REPO / "protocol" / "schemas"
 EXAMPLE_DOCUMENTS = sorted([*DOCS.glob("*.md"), REPO / "README.md", REPO / "bench" / "README.md"])
 LINKED_DOCUMENTS = EXAMPLE_DOCUMENTS
 # Directories that are not the project's own text (virtualenvs, caches, build output).
-SKIPPED_DIRECTORIES = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", "build", "dist"}
+SKIPPED_DIRECTORIES = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", "build", "dist", "node_modules"}
 
 FENCE = re.compile(r"^```")
 HEADING = re.compile(r"^(#{1,6}) +(.+?) *$")

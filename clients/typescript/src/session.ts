@@ -1,0 +1,512 @@
+// A control session that outlives its sockets: generations and the ack floor through a
+// pluggable store, reconnects by the policy of policy.ts, exactly-once tool calls by
+// idempotency key, output paging and held processes (docs/protocol.md §4, §7, §8, §9).
+
+import { randomUUID } from "node:crypto";
+
+import type { AssertionSource } from "./assertion.js";
+import {
+  BootstrapRejected,
+  ConnectionClosed,
+  ControlConnection,
+  FrameRefused,
+  RequestTimeout,
+  type OutputPage,
+} from "./connection.js";
+import { ConnectFailed, DEFAULT_CONTROL_PATH, openSocket, UpgradeRefused, type Endpoint } from "./endpoint.js";
+import { DEFAULT_BACKOFF, decideClose, decideConnectFailure, decideRefusal, type BackoffOptions, type Decision } from "./policy.js";
+import {
+  Header,
+  MAX_BINARY_OUTPUT_PAGE_LENGTH,
+  MAX_OUTPUT_PAGE_LENGTH,
+  MAX_STDIN_WRITE_BYTES,
+  type BootstrapBody,
+  type ErrorBody,
+  type EventFrame,
+  type ExecStdinAckBody,
+  type ProcessInfo,
+  type RuntimeStateBody,
+  type StartProcessParams,
+  type ToolName,
+  type ToolParametersByName,
+  type ToolResultBody,
+  type ToolResultOk,
+  type ToolResultFailure,
+} from "./protocol.js";
+import type { SessionStore } from "./store.js";
+
+export interface SessionOptions {
+  endpoint: Endpoint;
+  /** The provider's sandbox id (e2b-sandbox-id). */
+  sandboxId: string;
+  sessionId: string;
+  /** The control plane's id of this session's sandbox record. */
+  sessionSandboxId: string;
+  bootstrap: BootstrapBody;
+  assertion: AssertionSource;
+  store: SessionStore;
+  path?: string;
+  backoff?: BackoffOptions;
+  /** Send request_id on exec.* frames (only to a supervisor whose protocol echoes it). */
+  requestIds?: boolean;
+  /** Every journaled event (and event.withheld), once, in seq order, after it is stored. */
+  onEvent?: (event: EventFrame) => void;
+  /** An `error` frame that answers nothing the session sent and waits for. */
+  onError?: (body: ErrorBody) => void;
+  /** The session will not reconnect (the decision's reason). */
+  onStopped?: (why: string) => void;
+  /** Every frame received, before it is handled (a binary page: its header). */
+  onFrame?: (frame: unknown, binary: boolean) => void;
+  /** A decision after a close or a refusal (for logs). */
+  onDecision?: (decision: Decision) => void;
+}
+
+export type CallResult<N extends ToolName> = ToolResultOk<N> | ToolResultFailure;
+
+export interface CallOptions {
+  /** Required for every tool but read_file (docs/protocol.md §7.1). */
+  idempotencyKey?: string;
+  /** Default: a fresh uuid (each retry on a new socket gets a new one, same key). */
+  callId?: string;
+}
+
+interface PendingCall {
+  tool: ToolName;
+  parameters: unknown;
+  key: string | undefined;
+  callIds: Set<string>;
+  pending: boolean;
+  resolve(body: ToolResultBody): void;
+  reject(error: Error): void;
+  promise: Promise<ToolResultBody>;
+}
+
+/** The session stopped: reconnecting cannot help (the policy's reason). */
+export class SessionStopped extends Error {
+  constructor(readonly why: string) {
+    super(`session stopped: ${why}`);
+    this.name = "SessionStopped";
+  }
+}
+
+export interface ReadOutputOptions {
+  offset?: number;
+  /** Bytes per page; default the largest page of the format. */
+  length?: number;
+  /** "binary" pages (docs/protocol.md §6.5.1) or base64 JSON pages. */
+  format?: "json" | "binary";
+  /** Wait this long before asking again after an empty page that is not the end. */
+  pollMs?: number;
+  timeoutMs?: number;
+}
+
+/** A stdin write above the process's stdin offset: nothing was written (§7.7.2). */
+export class StdinGap extends Error {
+  constructor(readonly callId: string, readonly offset: number, readonly nextOffset: number) {
+    super(`stdin of ${callId} stands at ${nextOffset}, below this write's offset ${offset}: write the bytes before it first`);
+    this.name = "StdinGap";
+  }
+}
+
+/** The process's stdin is closed: nothing more can be written. */
+export class StdinClosed extends Error {
+  constructor(readonly callId: string, readonly nextOffset: number) {
+    super(`stdin of ${callId} is closed at ${nextOffset}`);
+    this.name = "StdinClosed";
+  }
+}
+
+export const DEFAULT_POLL_MS = 50;
+// Between retries of a stdin write whose bytes the holder's buffer could not take yet.
+export const STDIN_RETRY_MS = 20;
+
+export class SupervisorSession {
+  connection: ControlConnection | undefined;
+  state: RuntimeStateBody | undefined;
+  stopped: string | undefined;
+  private readonly calls = new Map<string, PendingCall>(); // by key, or by call_id without one
+  private readonly byCallId = new Map<string, PendingCall>();
+  private acked = 0;
+  private failures = 0;
+  private connecting: Promise<ControlConnection> | undefined;
+  private readonly listeners = new Set<(event: EventFrame) => void>();
+  private storing: Promise<void> = Promise.resolve();
+  private closing = false;
+
+  constructor(readonly options: SessionOptions) {}
+
+  /** Connect (reconnecting by the policy) and bootstrap; the state of the first socket. */
+  async start(): Promise<RuntimeStateBody> {
+    await this.connected();
+    return this.state!;
+  }
+
+  /** The open, bootstrapped socket; connects when there is none. */
+  connected(): Promise<ControlConnection> {
+    if (this.stopped !== undefined) return Promise.reject(new SessionStopped(this.stopped));
+    if (this.connection && !this.connection.closed && this.connection.state) return Promise.resolve(this.connection);
+    this.connecting ??= this.connectLoop().finally(() => (this.connecting = undefined));
+    return this.connecting;
+  }
+
+  /** Close the socket and stop reconnecting. */
+  async close(): Promise<void> {
+    this.closing = true;
+    this.stop("closed by the client");
+    const connection = this.connection;
+    if (connection && !connection.closed) {
+      await new Promise<void>((resolve) => {
+        const timer = setTimeout(resolve, 2000);
+        connection.close();
+        const poll = setInterval(() => {
+          if (connection.closed) {
+            clearInterval(poll);
+            clearTimeout(timer);
+            resolve();
+          }
+        }, 5);
+      });
+    }
+  }
+
+  /**
+   * Run a tool call; resolves with its tool.result body, however the supervisor answers:
+   * the tool.result itself, tool.replayed (its original's body), or tool.pending (then the
+   * tool.result of the first attempt, which carries one of this session's call_ids). One
+   * promise per idempotency key: calling again with a key in flight returns the same one.
+   * A lost socket re-sends the call on the next one with a new call_id and the same key,
+   * which the supervisor answers without running it twice (§8).
+   */
+  call<N extends ToolName>(tool: N, parameters: ToolParametersByName[N], options: CallOptions = {}): Promise<CallResult<N>> {
+    const key = options.idempotencyKey;
+    const existing = key === undefined ? undefined : this.calls.get(key);
+    if (existing) return existing.promise as Promise<CallResult<N>>;
+    let resolve!: (body: ToolResultBody) => void;
+    let reject!: (error: Error) => void;
+    const promise = new Promise<ToolResultBody>((res, rej) => ((resolve = res), (reject = rej)));
+    const call: PendingCall = { tool, parameters, key, callIds: new Set(), pending: false, resolve, reject, promise };
+    const slot = key ?? options.callId ?? randomUUID(); // a call without a key: its own slot
+    const settle = (): void => {
+      this.calls.delete(slot);
+      for (const id of call.callIds) this.byCallId.delete(id);
+    };
+    call.resolve = (body) => (settle(), resolve(body));
+    call.reject = (error) => (settle(), reject(error));
+    this.calls.set(slot, call);
+    void this.connected()
+      .then((connection) => this.sendCall(connection, call, options.callId))
+      .catch((error: Error) => call.reject(error));
+    return promise as Promise<CallResult<N>>;
+  }
+
+  private sendCall(connection: ControlConnection, call: PendingCall, callId?: string): void {
+    const id = callId && !call.callIds.has(callId) ? callId : randomUUID();
+    call.callIds.add(id);
+    this.byCallId.set(id, call);
+    connection.send("tool.call", {
+      tool_name: call.tool,
+      call_id: id,
+      ...(call.key !== undefined ? { idempotency_key: call.key } : {}),
+      parameters: call.parameters,
+    } as never);
+  }
+
+  /** Start a held process (docs/protocol.md §7.7.1); its call_id is its handle. */
+  async startProcess(parameters: StartProcessParams, options: { idempotencyKey: string; callId?: string }): Promise<{ callId: string; result: CallResult<"start_process"> }> {
+    const callId = options.callId ?? randomUUID();
+    const result = await this.call("start_process", parameters, { ...options, callId });
+    return { callId: result.call_id, result };
+  }
+
+  /**
+   * Every byte of one stream from `offset`, page by page, until its end: JSON or binary
+   * pages (§6.5.1). An empty page that is not the end means "nothing more yet": the iterator
+   * waits for the call's next exec.output event or `pollMs`, then asks again. A lost socket
+   * asks again on the next one at the same offset.
+   */
+  async *readOutput(callId: string, stream: "stdout" | "stderr", options: ReadOutputOptions = {}): AsyncGenerator<OutputPage> {
+    const binary = options.format === "binary";
+    const length = options.length ?? (binary ? MAX_BINARY_OUTPUT_PAGE_LENGTH : MAX_OUTPUT_PAGE_LENGTH);
+    let offset = options.offset ?? 0;
+    for (;;) {
+      const connection = await this.connected();
+      let page: OutputPage;
+      try {
+        page = await connection.readOutput(callId, stream, offset, length, binary, options.timeoutMs);
+      } catch (error) {
+        if (error instanceof ConnectionClosed) continue;
+        throw error;
+      }
+      if (page.data.length > 0 || page.eof) yield page;
+      if (page.eof) return;
+      offset += page.data.length;
+      if (page.data.length === 0) await this.waitForOutput(callId, options.pollMs ?? DEFAULT_POLL_MS);
+    }
+  }
+
+  /** All of a stream, concatenated (readOutput until its end). */
+  async readAll(callId: string, stream: "stdout" | "stderr", options: ReadOutputOptions = {}): Promise<Uint8Array> {
+    const parts: Uint8Array[] = [];
+    for await (const page of this.readOutput(callId, stream, options)) parts.push(page.data);
+    return new Uint8Array(Buffer.concat(parts));
+  }
+
+  /**
+   * Write `data` at stdin offset `offset` (docs/protocol.md §7.7.2) until every byte is
+   * taken; returns the offset after them. Bytes below the process's offset are not written
+   * twice, so the same write may be sent again after a lost answer or a reconnect: it is,
+   * here, on ConnectionClosed.
+   */
+  async writeStdin(callId: string, data: Uint8Array, offset: number): Promise<number> {
+    const end = offset + data.length;
+    let next = offset;
+    while (next < end || data.length === 0) {
+      const chunk = data.subarray(next - offset, Math.min(end, next + MAX_STDIN_WRITE_BYTES) - offset);
+      let ack: ExecStdinAckBody;
+      try {
+        ack = await (await this.connected()).writeStdin(callId, next, chunk);
+      } catch (error) {
+        if (error instanceof ConnectionClosed) continue;
+        throw error;
+      }
+      if (ack.closed) throw new StdinClosed(callId, ack.next_offset);
+      if (ack.next_offset < offset) throw new StdinGap(callId, offset, ack.next_offset);
+      if (data.length === 0) return ack.next_offset;
+      if (ack.next_offset === next) await new Promise((resolve) => setTimeout(resolve, STDIN_RETRY_MS)); // buffer full
+      next = Math.max(next, ack.next_offset);
+    }
+    return end;
+  }
+
+  /** Close stdin after the byte below `offset` (§7.7.2). */
+  async closeStdin(callId: string, offset: number): Promise<ExecStdinAckBody> {
+    for (;;) {
+      try {
+        return await (await this.connected()).closeStdin(callId, offset);
+      } catch (error) {
+        if (!(error instanceof ConnectionClosed)) throw error;
+      }
+    }
+  }
+
+  async resize(callId: string, rows: number, cols: number): Promise<void> {
+    return (await this.connected()).resize(callId, rows, cols);
+  }
+
+  async signal(callId: string, signal: "SIGINT" | "SIGTERM" | "SIGKILL" | "SIGHUP"): Promise<void> {
+    return (await this.connected()).signal(callId, signal);
+  }
+
+  async listProcesses(): Promise<ProcessInfo[]> {
+    return (await (await this.connected()).list()).processes;
+  }
+
+  /** The next event matching `predicate` (events stored from now on). */
+  waitForEvent(predicate: (event: EventFrame) => boolean, timeoutMs = 30_000): Promise<EventFrame> {
+    return new Promise((resolve, reject) => {
+      const listener = (event: EventFrame): void => {
+        if (!predicate(event)) return;
+        clearTimeout(timer);
+        this.listeners.delete(listener);
+        resolve(event);
+      };
+      const timer = setTimeout(() => {
+        this.listeners.delete(listener);
+        reject(new RequestTimeout("an awaited event"));
+      }, timeoutMs);
+      this.listeners.add(listener);
+    });
+  }
+
+  // --- connecting -------------------------------------------------------------------------
+
+  private async connectLoop(): Promise<ControlConnection> {
+    for (;;) {
+      if (this.stopped !== undefined) throw new SessionStopped(this.stopped);
+      let decision: Decision;
+      try {
+        const connection = await this.connectOnce();
+        this.failures = 0;
+        this.resend(connection);
+        return connection;
+      } catch (error) {
+        if (error instanceof UpgradeRefused) {
+          decision = decideRefusal(error.status, error.code, error.retryAfterS, this.failures, this.backoff());
+        } else if (error instanceof ConnectFailed) {
+          decision = decideConnectFailure(this.failures, this.backoff());
+        } else if (error instanceof ConnectionClosed) {
+          decision = decideClose(error.code, error.reason, this.failures, this.backoff());
+        } else if (error instanceof BootstrapRejected) {
+          decision = { action: "stop", why: error.message };
+        } else {
+          throw error;
+        }
+      }
+      this.failures += 1;
+      await this.apply(decision);
+    }
+  }
+
+  private backoff(): BackoffOptions {
+    return this.options.backoff ?? { ...DEFAULT_BACKOFF, jitter: 0.5 + Math.random() / 2 };
+  }
+
+  private async apply(decision: Decision): Promise<void> {
+    this.options.onDecision?.(decision);
+    if (decision.action === "stop") {
+      this.stop(decision.why);
+      throw new SessionStopped(decision.why);
+    }
+    if (decision.action === "reset_journal") {
+      await this.options.store.resetJournal();
+      this.acked = 0;
+    }
+    await new Promise((resolve) => setTimeout(resolve, decision.delayMs));
+  }
+
+  private async connectOnce(): Promise<ControlConnection> {
+    const { store } = this.options;
+    const generation = await store.nextGeneration();
+    const ackFloor = await store.ackFloor();
+    const attemptId = randomUUID();
+    const assertion = await this.options.assertion({
+      sandboxId: this.options.sandboxId,
+      sessionId: this.options.sessionId,
+      sessionSandboxId: this.options.sessionSandboxId,
+      generation,
+      attemptId,
+      ackFloor,
+    });
+    const ws = await openSocket(
+      this.options.endpoint,
+      {
+        [Header.SANDBOX_ID]: this.options.sandboxId,
+        [Header.SESSION_ID]: this.options.sessionId,
+        [Header.SESSION_SANDBOX_ID]: this.options.sessionSandboxId,
+        [Header.ATTEMPT_ID]: attemptId,
+        [Header.GENERATION]: String(generation),
+        [Header.EVENT_ACK]: String(ackFloor),
+        // The raw compact JWS: "Bearer <jwt>" is refused (docs/protocol.md §3.1).
+        [Header.AUTHORITY]: assertion,
+      },
+      { path: this.options.path ?? DEFAULT_CONTROL_PATH },
+    );
+    const connection = new ControlConnection(
+      ws,
+      generation,
+      {
+        onEvent: (event) => this.onEvent(event),
+        onPending: (body) => {
+          const call = this.byCallId.get(body.call_id);
+          if (call) call.pending = true;
+        },
+        onReplayed: (body) => this.byCallId.get(body.call_id)?.resolve(body.original.body),
+        onError: (body) => this.onErrorFrame(connection, body),
+        ownsCall: (callId) => this.byCallId.has(callId),
+        onFrame: (frame, binary) => this.options.onFrame?.(frame, binary),
+        onProtocolViolation: (detail) => this.options.onError?.({ code: "invalid_frame", message: detail }),
+        onClose: (code, reason) => this.onClose(connection, code, reason),
+      },
+      this.options.requestIds ?? false,
+    );
+    this.connection = connection;
+    this.acked = Math.max(this.acked, ackFloor);
+    const state = await connection.bootstrap(this.options.bootstrap);
+    // Events up to the supervisor's floor were acked (by this client or a replica sharing
+    // the store) and are pruned: the store's floor is at least that (§6.5, runtime.state).
+    await store.raiseFloor(state.ackFloor);
+    this.acked = Math.max(this.acked, state.ackFloor);
+    this.state = state;
+    return connection;
+  }
+
+  /** Calls still unanswered go again on a new socket: new call_id, same key (§8). */
+  private resend(connection: ControlConnection): void {
+    for (const call of new Set(this.calls.values())) {
+      if (call.callIds.size > 0) this.sendCall(connection, call);
+    }
+  }
+
+  private onClose(connection: ControlConnection, code: number, reason: string): void {
+    if (connection !== this.connection || this.closing || this.stopped !== undefined || !connection.state) return;
+    // A socket that was open: reconnect in the background if the policy says so.
+    const decision = decideClose(code, reason, 0, this.backoff());
+    if (decision.action === "stop") {
+      this.options.onDecision?.(decision);
+      this.stop(decision.why);
+      return;
+    }
+    void (async () => {
+      try {
+        await this.apply(decision);
+        await this.connected();
+      } catch {
+        // stop() has told everyone
+      }
+    })();
+  }
+
+  private stop(why: string): void {
+    if (this.stopped !== undefined) return;
+    this.stopped = why;
+    const error = new SessionStopped(why);
+    for (const call of new Set(this.calls.values())) call.reject(error);
+    this.options.onStopped?.(why);
+  }
+
+  // --- events, results and acks ------------------------------------------------------------
+
+  private onEvent(event: EventFrame): void {
+    // Stored in order, one after the other; the ack follows what the store made durable.
+    this.storing = this.storing.then(async () => {
+      await this.options.store.putEvent(event);
+      if (event.kind === "tool.result") this.byCallId.get(event.body.call_id)?.resolve(event.body);
+      this.options.onEvent?.(event);
+      for (const listener of [...this.listeners]) listener(event);
+      await this.ack();
+    });
+  }
+
+  private async ack(): Promise<void> {
+    const floor = await this.options.store.ackFloor();
+    const connection = this.connection;
+    // Acks need session:control (§3.5); a delegated socket's events are acked by the owner.
+    if (floor <= this.acked || !connection || connection.closed || !connection.state?.scopes.includes("session:control")) return;
+    connection.send("events.ack", { seq: floor });
+    this.acked = floor;
+  }
+
+  private onErrorFrame(connection: ControlConnection, body: ErrorBody): void {
+    if (body.code === "generation_mismatch") {
+      // This socket no longer acts: a newer attempt passed the gate (another replica, as
+      // with 1008 superseded); nothing sent on it ran. Fighting back would supersede it.
+      this.stop("a newer connection attempt passed the gate (generation_mismatch)");
+      connection.close();
+      return;
+    }
+    const call = body.call_id ? this.byCallId.get(body.call_id) : undefined;
+    if (call) {
+      // journal_full (ack, then send again), internal (the message says whether to retry with
+      // the same key): the caller decides; nothing was recorded for journal_full.
+      call.reject(new FrameRefused(body));
+      return;
+    }
+    this.options.onError?.(body);
+  }
+
+  /** Until the next event of the call (output, its end) or `ms`, whichever comes first. */
+  private waitForOutput(callId: string, ms: number): Promise<void> {
+    return new Promise((resolve) => {
+      const done = (): void => {
+        clearTimeout(timer);
+        this.listeners.delete(listener);
+        resolve();
+      };
+      const listener = (event: EventFrame): void => {
+        if (event.kind !== "event.withheld" && event.body.call_id === callId) done();
+      };
+      const timer = setTimeout(done, ms);
+      this.listeners.add(listener);
+    });
+  }
+}

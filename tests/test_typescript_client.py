@@ -1,0 +1,131 @@
+"""The TypeScript client (clients/typescript/): its generated types are current, and its own
+tests (Node's test runner) pass, the client ones against a real daemon started as users
+start it (`python -m sandbox_supervisor.daemon serve`), over TCP and a unix socket.
+
+Node 20+ and npm are needed. Outside CI a machine without them skips with that reason; in CI
+(`CI=true`, where .ci/run installs them) their absence fails. `npm ci` runs only when
+node_modules is missing or package-lock.json changed since the last install (a stamp file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import trio
+
+from sandbox_supervisor.protocol import typescript_export
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.daemon import make_layout, running_daemon
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENT_DIR = REPO / "clients" / "typescript"
+LOCK_FILE = CLIENT_DIR / "package-lock.json"
+INSTALL_STAMP = CLIENT_DIR / "node_modules" / ".installed-lock-sha256"
+MIN_NODE_MAJOR = 20
+INSTALL_TIMEOUT_S = 300
+BUILD_TIMEOUT_S = 120
+NODE_TESTS_TIMEOUT_S = 120
+NODE_TEST_TIMEOUT_MS = 30_000  # one node test; a hang fails it with its name, not the whole run
+UNIT_TESTS = ("policy.test.js", "store.test.js", "schemas.test.js")
+DAEMON_TESTS = ("client.test.js",)
+
+
+def _node_problem() -> str | None:
+    """Why Node cannot run here, or None."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        return "node and npm are not installed (.ci/run installs Node 20)"
+    version = subprocess.run([node, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    major = int(version.lstrip("v").split(".")[0])
+    if major < MIN_NODE_MAJOR:
+        return f"node {version} is older than {MIN_NODE_MAJOR}"
+    return None
+
+
+def _lock_digest() -> str:
+    return hashlib.sha256(LOCK_FILE.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def built_client() -> Path:
+    """clients/typescript installed (npm ci, when needed) and compiled (tsc)."""
+    problem = _node_problem()
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the TypeScript client's tests: {problem}")
+        pytest.skip(problem)
+    digest = _lock_digest()
+    if not INSTALL_STAMP.is_file() or INSTALL_STAMP.read_text() != digest:
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=CLIENT_DIR, check=True, timeout=INSTALL_TIMEOUT_S,
+        )
+        INSTALL_STAMP.write_text(digest)
+    completed = subprocess.run(
+        [str(CLIENT_DIR / "node_modules" / ".bin" / "tsc"), "-p", "tsconfig.json"],
+        cwd=CLIENT_DIR, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    return CLIENT_DIR / "dist" / "test"
+
+
+def test_generated_types_are_current() -> None:
+    assert not typescript_export.drifted(typescript_export.DEFAULT_OUT_FILE), (
+        "run: python -m sandbox_supervisor.protocol.typescript_export"
+    )
+
+
+def test_generated_types_name_every_frame_and_code() -> None:
+    text = typescript_export.render()
+    for name in ("ToolResultEvent", "ExecOutputEvent", "ServerFrame", "ClientFrame", "FrameErrorCode", "ToolErrorCode"):
+        assert f"export type {name} " in text or f"export interface {name} " in text, name
+    assert '  | "journal_full"' in text
+    assert "result: ToolResultsByName[T]" in text  # `result` typed per tool
+    assert "Kind1" not in text and "unknown;" not in text.split("interface ToolError {")[0]
+
+
+async def _node_tests(directory: Path, files: tuple[str, ...], env: dict[str, str]) -> None:
+    completed = await trio.run_process(
+        ["node", "--test", "--test-concurrency=1", f"--test-timeout={NODE_TEST_TIMEOUT_MS}", *(str(directory / name) for name in files)],
+        cwd=CLIENT_DIR,
+        env={**os.environ, **env},
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    output = completed.stdout.decode(errors="replace") + completed.stderr.decode(errors="replace")
+    print(output)  # shown by pytest -s, or with a failure
+    assert completed.returncode == 0, output[-20000:]
+    assert "# fail 0" in output and "# skipped 0" in output, output[-5000:]
+
+
+async def test_unit_tests_and_ajv_strict_on_every_schema(built_client: Path) -> None:
+    with trio.fail_after(NODE_TESTS_TIMEOUT_S):
+        await _node_tests(built_client, UNIT_TESTS, {"SUPERVISOR_SCHEMAS": str(REPO / "protocol" / "schemas")})
+
+
+async def test_client_against_a_real_daemon_over_tcp_and_unix(built_client: Path, tmp_path: Path) -> None:
+    authority = LoopbackAuthority()
+    layout = make_layout(tmp_path / "daemon", authority=authority)
+    jwk_file = tmp_path / "signing.jwk.json"
+    jwk_file.write_text(json.dumps(authority.signing_jwk()))
+    async with running_daemon(layout) as process:
+        running = process.running
+        env = {
+            "SUPERVISOR_TCP": str(running.tcp),
+            "SUPERVISOR_UNIX": str(layout.unix_socket),
+            "SUPERVISOR_SANDBOX_ID": layout.sandbox_id,
+            "SUPERVISOR_WORKSPACE": str(layout.workspace),
+            "SUPERVISOR_JWK": str(jwk_file),
+            "SUPERVISOR_ISSUER": authority.issuer,
+            "SUPERVISOR_AUDIENCE": authority.audience,
+            "SUPERVISOR_SCHEMAS": str(REPO / "protocol" / "schemas"),
+        }
+        with trio.fail_after(NODE_TESTS_TIMEOUT_S):
+            await _node_tests(built_client, DAEMON_TESTS, env)
