@@ -313,3 +313,24 @@ def test_no_created_series_and_build_info_from_the_given_version() -> None:
     assert found[(f"{DURATION}_count", (("tool", "read_file"),))] == 1
     assert found[(f"{DURATION}_bucket", (("le", "0.005"), ("tool", "read_file")))] == 1
     assert not [name for name, _ in found if name.endswith("_created")]
+
+
+async def test_a_metrics_port_in_use_fails_the_start_naming_the_key(tmp_path, authority):
+    import errno
+    import socket
+
+    from sandbox_supervisor.testing.daemon import DaemonExitedEarly
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        layout = make_layout(
+            tmp_path / "d", authority=authority, websocket={"metrics_enabled": True, "metrics_listen": address}
+        )
+        with pytest.raises(DaemonExitedEarly) as exited:
+            async with running_daemon(layout):
+                pass
+    assert exited.value.returncode == 1
+    [failure] = [json.loads(line) for line in exited.value.log.splitlines() if "supervisor.start_failed" in line]
+    assert failure["error"].startswith(f"[Errno {errno.EADDRINUSE}] websocket.metrics_listen {address}: ")
