@@ -24,7 +24,7 @@ from sandbox_supervisor.protocol.authority import JwksError, VerifierSettings
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 from sandbox_supervisor.daemon.auth.admission import UpgradeAdmission
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, refuse
-from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
+from sandbox_supervisor.daemon.auth.identity import SANDBOX_ID_ENV, SandboxIdentity
 from sandbox_supervisor.daemon.auth.keyring import KeyRing, unusable_jwks
 from sandbox_supervisor.daemon.config import JWKS_FILE_KEY, SupervisorConfig, config_problem
 from sandbox_supervisor.daemon.edge import http_front
@@ -33,10 +33,11 @@ from sandbox_supervisor.daemon.edge.server import (
     BoundListeners,
     FrontLimits,
     ListenerUnavailable,
+    open_tcp_listener,
     remove_unix_paths,
     serve,
 )
-from sandbox_supervisor.daemon.ops.health import HTTP_UNAVAILABLE, health_response
+from sandbox_supervisor.daemon.ops.health import HTTP_UNAVAILABLE, health_response, readiness, readiness_response
 from sandbox_supervisor.daemon.ops.maintenance import give_space_back
 from sandbox_supervisor.daemon.ops.logs import configure_logging
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier, send_watchdog_pings, watchdog_interval_s
@@ -86,6 +87,8 @@ LISTENING_FILE = "listening.json"
 # and a listening.json the disk refused is written again: a second brings the daemon back
 # soon after space returns, at the cost of one failed open a second meanwhile.
 STATE_RETRY_INTERVAL_S = 1.0
+# The state database's files whose sizes make up sandbox_supervisor_journal_disk_bytes.
+DB_DISK_SUFFIXES = ("", "-wal")
 # After the process groups are gone, how long the stop waits for their calls to journal
 # exec.completed + tool.result (the completion grace is 200 ms).
 STOP_COMPLETION_BUDGET_S = 1.0
@@ -104,6 +107,7 @@ class Daemon:
     store: StateStore
     journal: Journal
     keyring: KeyRing
+    identity: SandboxIdentity
     # Who commands run as; None: the daemon's own user (see command_identity).
     command_identity: CommandIdentity | None
     hub: SessionHub
@@ -129,19 +133,38 @@ class Daemon:
 class DaemonFront:
     """The daemon as the listeners' front sees it (`edge.server.ConnectionApp`). Built with
     `waiting` (and no daemon) when the daemon started on a full state directory: it then
-    answers health and refuses upgrades `storage_full` until `daemon` is set."""
+    answers health and refuses upgrades `storage_full` until `daemon` is set.
+    `metrics_only`: the front of the metrics listener (websocket.metrics_listen), which
+    serves the metrics path and nothing else."""
 
-    def __init__(self, daemon: Daemon | None, *, config: SupervisorConfig | None = None, waiting: DaemonStatus | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon | None,
+        *,
+        config: SupervisorConfig | None = None,
+        waiting: DaemonStatus | None = None,
+        identity: SandboxIdentity | None = None,
+        keyring: KeyRing | None = None,
+        metrics_only: bool = False,
+    ) -> None:
         config = daemon.config if daemon is not None else config
         assert config is not None and (daemon is not None or waiting is not None)
         ws = config.websocket
         self.daemon = daemon
         self._waiting = waiting
-        self.route_paths = http_front.RoutePaths(
-            control=ws.control_path,
-            health=ws.health_path,
-            metrics=ws.metrics_path if ws.metrics_enabled else None,
-        )
+        self._identity = identity
+        self._keyring = keyring
+        metrics = ws.metrics_path if ws.metrics_enabled else None
+        if metrics_only:
+            self.route_paths = http_front.RoutePaths(control=None, health=None, metrics=metrics)
+        else:
+            self.route_paths = http_front.RoutePaths(
+                control=ws.control_path,
+                health=ws.health_path,
+                # With a listener of their own, metrics are not served here (a 404).
+                metrics=metrics if ws.metrics_listen is None else None,
+                ready=ws.ready_path,
+            )
         self.handshake_timeout_s = ws.handshake_timeout_s
         self.max_message_bytes = ws.max_message_bytes
 
@@ -150,6 +173,13 @@ class DaemonFront:
             assert self._waiting is not None
             return health_response(self._waiting, storage_full=True)
         return health_response(self.daemon.status)
+
+    def ready(self) -> tuple[int, bytes]:
+        if self.daemon is None:
+            assert self._waiting is not None and self._identity is not None and self._keyring is not None
+            return readiness_response(readiness(self._waiting, self._identity, self._keyring, storage_full=True))
+        daemon = self.daemon
+        return readiness_response(readiness(daemon.status, daemon.identity, daemon.keyring))
 
     def metrics(self) -> tuple[int, bytes]:
         from sandbox_supervisor.daemon.ops.metrics import SupervisorMetrics
@@ -197,7 +227,7 @@ def assemble(
         # Imported only when enabled: prometheus_client costs ~2 MiB of an idle daemon.
         from sandbox_supervisor.daemon.ops.metrics import SupervisorMetrics
 
-        metrics = SupervisorMetrics()
+        metrics = SupervisorMetrics(status.version)
         # Read at scrape time from what the journal already keeps: no query per scrape.
         metrics.observe_journal(lambda: journal.last_seq, lambda: journal.pruned_through)
         telemetry = metrics
@@ -215,11 +245,12 @@ def assemble(
         ),
         telemetry=telemetry,
     )
-    return Daemon(
+    daemon = Daemon(
         config=config,
         store=store,
         journal=journal,
         keyring=keyring,
+        identity=identity,
         command_identity=command_identity,
         hub=SessionHub(),
         status=status,
@@ -228,6 +259,56 @@ def assemble(
         telemetry=telemetry,
         cgroups=cgroups,
     )
+    if config.websocket.metrics_enabled:
+        from sandbox_supervisor.daemon.ops.metrics import SupervisorMetrics
+
+        assert isinstance(telemetry, SupervisorMetrics)
+        # A stat of the database's two files, and the running figure the spools' budget
+        # keeps (runtime/command_output.SpoolBudget): no directory walk per scrape.
+        telemetry.observe_disk(
+            lambda: database_bytes(store.path), lambda: 0 if daemon.shell is None else daemon.shell.spool_bytes
+        )
+    return daemon
+
+
+def database_bytes(path: Path) -> int:
+    """The state database's size on disk: the file and its WAL (two stats, at each scrape)."""
+    total = 0
+    for suffix in DB_DISK_SUFFIXES:
+        try:
+            total += os.stat(f"{path}{suffix}").st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+METRICS_LISTEN_KEY = "websocket.metrics_listen"
+
+
+async def open_metrics_listener(config: SupervisorConfig) -> tuple[list[trio.SocketListener], list[str] | None]:
+    """The loopback listener of websocket.metrics_listen (its listeners and bound addresses),
+    or none when unset. A bind failure names the key (exit 1, as for the control listeners)."""
+    address = config.websocket.metrics_listen
+    if address is None:
+        return [], None
+    try:
+        return await open_tcp_listener(address)
+    except OSError as exc:
+        raise ListenerUnavailable(METRICS_LISTEN_KEY, address, exc) from None
+
+
+def warn_if_no_sandbox_id(identity: SandboxIdentity) -> None:
+    """One line at start when no sandbox id is usable: every upgrade is refused 503 and
+    /readyz answers 503 until one is (docs/operations.md, "Health and readiness")."""
+    status = identity.status()
+    if status.problem is not None:
+        log.warning(
+            "supervisor.sandbox_id_missing",
+            path=str(identity.path),
+            env_var=SANDBOX_ID_ENV,
+            reason=status.problem,
+            detail=status.detail,
+        )
 
 
 def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
@@ -316,25 +397,29 @@ def start_runtime(daemon: Daemon, nursery: trio.Nursery) -> None:
 # --- running the daemon ----------------------------------------------------------------
 
 
-def write_listening_file(state_dir: Path, bound: BoundListeners) -> None:
-    """Atomically publish the bound addresses (port 0 resolved) for scripts and tests."""
+def write_listening_file(state_dir: Path, bound: BoundListeners, metrics: list[str] | None = None) -> None:
+    """Atomically publish the bound addresses (port 0 resolved) for scripts and tests;
+    `metrics`: the metrics listener's, when websocket.metrics_listen is set."""
     path = state_dir / LISTENING_FILE
     tmp = path.with_suffix(".tmp")
+    listening: dict[str, list[str]] = {"tcp": bound.tcp, "unix": bound.unix}
+    if metrics is not None:
+        listening["metrics"] = metrics
     try:
-        tmp.write_text(json.dumps({"tcp": bound.tcp, "unix": bound.unix}))
+        tmp.write_text(json.dumps(listening))
         os.replace(tmp, path)
     except OSError:
         tmp.unlink(missing_ok=True)  # a half-written one must not be left behind
         raise
 
 
-async def publish_listening_file(state_dir: Path, bound: BoundListeners) -> None:
+async def publish_listening_file(state_dir: Path, bound: BoundListeners, metrics: list[str] | None = None) -> None:
     """write_listening_file, retried every STATE_RETRY_INTERVAL_S while the disk refuses it
     (full): the file is a convenience for scripts, never a reason to stop serving."""
     logged = False
     while True:
         try:
-            write_listening_file(state_dir, bound)
+            write_listening_file(state_dir, bound, metrics)
             return
         except OSError as exc:
             if not logged:
@@ -550,10 +635,17 @@ async def run_supervisor(
                 log.warning("supervisor.storage_full", error=str(exc), retry_s=STATE_RETRY_INTERVAL_S)
                 store.close()
                 store = None
+        identity = SandboxIdentity(config.paths.sandbox_id_file, env)
+        warn_if_no_sandbox_id(identity)
+        metrics_listeners, metrics_bound = await open_metrics_listener(config)
         try:
             bound, owned_unix = await open_daemon_listeners(config.listen.tcp, config.listen.unix, env)
-        except ActivationError as exc:
-            raise StartupError(str(exc)) from None
+        except BaseException as exc:
+            for listener in metrics_listeners:
+                await trio.aclose_forcefully(listener)
+            if isinstance(exc, ActivationError):
+                raise StartupError(str(exc)) from None
+            raise
         limits = FrontLimits(
             max_tcp_handshakes=config.websocket.max_handshakes,
             max_unix_handshakes=config.websocket.max_unix_handshakes,
@@ -571,23 +663,24 @@ async def run_supervisor(
                     # restarts the daemon, which is what the watchdog is for.
                     nursery.start_soon(send_watchdog_pings, notifier, interval)
                 front: DaemonFront | None = None
+                metrics_front: DaemonFront | None = None
                 if store is None:
                     # Serve health and typed refusals while waiting: a daemon that exits on
                     # a full disk is restarted into the same full disk until systemd gives
                     # up, and then nobody is left to recover when space returns.
-                    front = DaemonFront(
-                        None,
-                        config=config,
-                        waiting=DaemonStatus(
-                            version=installed_version() or UNKNOWN_VERSION,
-                            session=None,
-                            fence_generation=0,
-                            privilege_separation=who is not None,
-                            isolation=cgroups.describe(),
-                        ),
+                    waiting = DaemonStatus(
+                        version=installed_version() or UNKNOWN_VERSION,
+                        session=None,
+                        fence_generation=0,
+                        privilege_separation=who is not None,
+                        isolation=cgroups.describe(),
                     )
+                    front = DaemonFront(None, config=config, waiting=waiting, identity=identity, keyring=keyring)
                     await nursery.start(serve, bound.listeners, front, limits)
-                    nursery.start_soon(publish_listening_file, config.paths.state_dir, bound)
+                    if metrics_listeners:
+                        metrics_front = DaemonFront(None, config=config, waiting=waiting, metrics_only=True)
+                        await nursery.start(serve, metrics_listeners, metrics_front, limits)
+                    nursery.start_soon(publish_listening_file, config.paths.state_dir, bound, metrics_bound)
                     # Ready in systemd's sense (listening, answering): not restarted for a
                     # start timeout while the disk stays full.
                     notifier.notify("READY=1", "STATUS=waiting for space in the state directory")
@@ -597,9 +690,7 @@ async def run_supervisor(
                         early_exit = target.stop if store is None else None
                         nursery.cancel_scope.cancel()
                         return _early_exit(early_exit, notifier, cgroups)
-                daemon = assemble(
-                    config, store, keyring, SandboxIdentity(config.paths.sandbox_id_file, env), notifier, who, cgroups
-                )
+                daemon = assemble(config, store, keyring, identity, notifier, who, cgroups)
                 daemon.roots = roots
                 target.daemon = daemon
                 start_runtime(daemon, nursery)
@@ -609,15 +700,19 @@ async def run_supervisor(
                     adopt(pending, adoption_env, daemon.journal, daemon.shell)
                 nursery.start_soon(retry_deferred_acks, daemon.journal)
                 nursery.start_soon(give_space_back, daemon.store)
+                if metrics_front is not None:
+                    metrics_front.daemon = daemon
+                elif metrics_listeners:
+                    await nursery.start(serve, metrics_listeners, DaemonFront(daemon, metrics_only=True), limits)
                 if front is None:
                     await nursery.start(serve, bound.listeners, DaemonFront(daemon), limits)
                     # Published once the daemon is ready (what READY=1 says): a script that
                     # waits for the file and then sends SIGTERM gets a graceful stop, never
                     # the default handler's kill before the signal watcher is installed.
                     try:
-                        write_listening_file(config.paths.state_dir, bound)
+                        write_listening_file(config.paths.state_dir, bound, metrics_bound)
                     except OSError:
-                        nursery.start_soon(publish_listening_file, config.paths.state_dir, bound)
+                        nursery.start_soon(publish_listening_file, config.paths.state_dir, bound, metrics_bound)
                 else:
                     front.daemon = daemon  # from now on upgrades go through the gate
                 log.info("supervisor.ready", tcp=bound.tcp, unix=bound.unix, version=daemon.status.version)

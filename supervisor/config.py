@@ -8,6 +8,7 @@ together, each with its dotted key.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 import tomllib
@@ -166,6 +167,13 @@ class WebSocketConfig(_Section):
     health_path: str = "/healthz"
     metrics_path: str = "/metrics"
     metrics_enabled: bool = False
+    # --- readiness and the metrics listener (docs/operations.md, "Health and readiness",
+    # "Metrics") ---
+    ready_path: str = "/readyz"
+    # Serve metrics on this loopback HOST:PORT alone (and no longer on the control
+    # listeners); unset: metrics share the control listeners.
+    metrics_listen: str | None = None
+    # --- end of readiness and the metrics listener ---
     ping_interval_s: PositiveSeconds = 15.0
     idle_timeout_s: PositiveSeconds = 60.0
     max_message_bytes: PositiveInt = 131072
@@ -182,7 +190,7 @@ class WebSocketConfig(_Section):
     # its sender and a batch of frames for ever. Its events stay journaled for a reconnect.
     write_timeout_s: PositiveSeconds = 60.0
 
-    @field_validator("control_path", "health_path", "metrics_path")
+    @field_validator("control_path", "health_path", "metrics_path", "ready_path")
     @classmethod
     def _check_path(cls, value: str) -> str:
         if not value.startswith("/") or any(c.isspace() for c in value):
@@ -194,10 +202,35 @@ class WebSocketConfig(_Section):
         # A ping interval at or above the idle timeout would close healthy idle connections.
         if self.ping_interval_s >= self.idle_timeout_s:
             raise ValueError("ping_interval_s must be less than idle_timeout_s")
-        routes = [self.control_path, self.health_path, self.metrics_path]
+        routes = [self.control_path, self.health_path, self.metrics_path, self.ready_path]
         if len(set(routes)) != len(routes):
-            raise ValueError("control_path, health_path and metrics_path must differ")
+            raise ValueError("control_path, health_path, metrics_path and ready_path must differ")
+        if self.metrics_listen is not None and not self.metrics_enabled:
+            raise ValueError("metrics_listen needs metrics_enabled = true")
         return self
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_loopback_address(value)
+        return value
+
+
+def check_loopback_address(value: str) -> None:
+    """A HOST:PORT whose host is a loopback IP literal (127.0.0.0/8, ::1); ValueError else.
+    Metrics are served without authentication, so their own listener is never reachable
+    from outside the machine; a host name is refused too (it could resolve elsewhere)."""
+    host, _port = parse_host_port(value)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"{value!r} is not a loopback address: metrics are served without authentication, "
+            "so their own listener must be 127.0.0.1:PORT or [::1]:PORT"
+        )
 
 
 class BootstrapConfig(_Section):

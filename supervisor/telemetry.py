@@ -16,7 +16,9 @@ UPGRADE_ACCEPTED = "accepted"
 class Telemetry(Protocol):
     def upgrade(self, outcome: str) -> None: ...
 
-    def tool_call(self, tool: str, outcome: str) -> None: ...
+    def tool_call(self, tool: str, outcome: str, duration_s: float | None = None) -> None:
+        """A tool.result journaled; `duration_s`: the tool's run time (None for a refusal
+        that ran nothing)."""
 
     def process_started(self) -> None: ...
 

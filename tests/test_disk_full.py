@@ -173,11 +173,15 @@ async def test_a_daemon_started_on_a_full_disk_serves_refusals_and_opens_its_sta
         refusal = await rejected(client)
         assert (refusal.status, refusal.error) == (503, errors.STORAGE_FULL)
         assert refusal.header("retry-after") == str(errors.STORAGE_FULL_RETRY_AFTER_S)
+        ready = await http_request(unix, "GET", "/readyz")
+        assert ready.status == 503
+        assert ready.json()["checks"] == {"state": "storage_full", "keys": "ok", "sandboxId": "ok"}
 
         filler.unlink()
         with trio.fail_after(RECOVERY_DEADLINE_S):
             while (await http_request(unix, "GET", "/healthz")).status != 200:
                 await trio.sleep(POLL_S)
+        assert (await http_request(unix, "GET", "/readyz")).status == 200
         async with client.connect() as session:
             state = await session.bootstrap(cwd=str(layout.workspace))
             assert state["body"]["sessionId"] == client.session_id  # the same state, bound

@@ -154,3 +154,183 @@ async def test_metrics_route_of_a_running_daemon(tmp_path, authority):
     assert value(r"sandbox_supervisor_replayed_events_total") >= 5
     last_seq = value(r"sandbox_supervisor_journal_last_seq")
     assert last_seq >= 6
+
+
+# --- the daemon's own series, scraped from a daemon started as users start it --------------
+
+import json
+import platform
+import time
+
+import pytest
+
+from sandbox_supervisor.daemon.version import installed_version
+from sandbox_supervisor.testing.client import Endpoint, http_request
+from sandbox_supervisor.testing.daemon import make_layout, running_daemon
+
+DURATION = "sandbox_supervisor_tool_call_duration_seconds"
+# A daemon's start, seen from the test: well within this many seconds of the scrape.
+START_TIME_SLACK_S = 300
+
+
+def scraped(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+async def scrape(endpoint: Endpoint) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = await http_request(endpoint, "GET", "/metrics")
+    assert response.status == 200
+    text = response.body.decode()
+    # No `_created` series, in any family (prometheus_client adds them unless disabled).
+    names = [line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")]
+    assert names and not [name for name in names if name.endswith("_created")]
+    return scraped(text)
+
+
+async def test_process_build_duration_and_disk_series_of_a_running_daemon(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"metrics_enabled": True})
+    async with running_daemon(layout) as process:
+        running = process.running
+        before = await scrape(running.tcp)
+        async with running.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await session.call_and_wait("execute_shell_command", {"command": "echo hi"}, idempotency_key="m1")
+        after = await scrape(running.tcp)
+        now = time.time()
+
+    shell = (("tool", "execute_shell_command"),)
+    assert before.get((f"{DURATION}_count", shell), 0) == 0
+    assert after[(f"{DURATION}_count", shell)] == 1
+    assert after[(f"{DURATION}_bucket", (("le", "+Inf"), *shell))] == 1
+    assert 0 < after[(f"{DURATION}_sum", shell)] < 60
+    assert after[(f"{DURATION}_bucket", (("le", "3600.0"), *shell))] == 1  # the widest finite bucket
+
+    assert after[("process_resident_memory_bytes", ())] > 1024 * 1024
+    assert after[("process_open_fds", ())] > 0
+    assert after[("process_max_fds", ())] >= after[("process_open_fds", ())]
+    assert after[("process_cpu_seconds_total", ())] > 0
+    assert now - START_TIME_SLACK_S < after[("process_start_time_seconds", ())] <= now
+
+    build = [labels for (name, labels) in after if name == "sandbox_supervisor_build_info"]
+    assert build == [(("python", platform.python_version()), ("version", installed_version()))]
+    assert after[("sandbox_supervisor_build_info", build[0])] == 1
+
+    database = layout.state_dir / "supervisor.sqlite3"
+    assert after[("sandbox_supervisor_journal_disk_bytes", ())] >= database.stat().st_size > 0
+    assert after[("sandbox_supervisor_spool_disk_bytes", ())] == len("hi\n")
+    assert before[("sandbox_supervisor_spool_disk_bytes", ())] == 0
+
+
+async def test_a_scrape_never_walks_the_spools(tmp_path, authority, monkeypatch):
+    """The spools' size is the budget's running figure: a scrape costs no directory walk,
+    however many spool files there are (the walk happens at start and at prunes only)."""
+    from sandbox_supervisor.daemon.runtime import command_output
+    from sandbox_supervisor.testing.daemon import in_process_daemon
+
+    walks = []
+    real = command_output.spool_usage
+    monkeypatch.setattr(command_output, "spool_usage", lambda state_dir: walks.append(state_dir) or real(state_dir))
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"metrics_enabled": True})
+    async with in_process_daemon(layout) as daemon:
+        async with daemon.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            await session.call_and_wait("execute_shell_command", {"command": "printf 12345"}, idempotency_key="w")
+        walked = len(walks)
+        assert walked >= 1  # the start measured them: the patch sees walks
+        for _ in range(5):
+            assert (await scrape(daemon.unix))[("sandbox_supervisor_spool_disk_bytes", ())] == 5
+        assert len(walks) == walked
+
+
+async def test_metrics_on_their_own_loopback_listener(tmp_path, authority):
+    """websocket.metrics_listen: metrics there, and only there; nothing else on it."""
+    layout = make_layout(
+        tmp_path / "d", authority=authority, websocket={"metrics_enabled": True, "metrics_listen": "127.0.0.1:0"}
+    )
+    async with running_daemon(layout) as process:
+        listening = json.loads((layout.state_dir / "listening.json").read_text())
+        [address] = listening["metrics"]
+        metrics = Endpoint.parse(address)
+        assert metrics.host_header.startswith("127.0.0.1:") and metrics != process.running.tcp
+        response = await http_request(metrics, "GET", "/metrics")
+        assert response.status == 200
+        assert b"process_resident_memory_bytes" in response.body
+        for endpoint in (process.running.tcp, process.running.unix):
+            assert (await http_request(endpoint, "GET", "/metrics")).status == 404
+            assert (await http_request(endpoint, "GET", "/healthz")).status == 200
+        for path in ("/healthz", "/readyz", "/v1/control", "/"):
+            refused = await http_request(metrics, "GET", path)
+            assert (refused.status, refused.json()["error"]) == (404, "not_found")
+
+
+async def test_without_a_metrics_listener_listening_json_has_no_metrics_entry(tmp_path, authority):
+    layout = make_layout(tmp_path / "d", authority=authority, websocket={"metrics_enabled": True})
+    async with running_daemon(layout) as process:
+        assert (await http_request(process.running.tcp, "GET", "/metrics")).status == 200
+        assert set(json.loads((layout.state_dir / "listening.json").read_text())) == {"tcp", "unix"}
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            'metrics_enabled = true\nmetrics_listen = "0.0.0.0:9464"',
+            "websocket.metrics_listen: '0.0.0.0:9464' is not a loopback address",
+        ),
+        (
+            'metrics_enabled = true\nmetrics_listen = "localhost:9464"',
+            "websocket.metrics_listen: 'localhost:9464' is not a loopback address",
+        ),
+        ('metrics_listen = "127.0.0.1:9464"', "websocket: metrics_listen needs metrics_enabled = true"),
+    ],
+)
+def test_check_config_refuses_a_metrics_listener_off_loopback(tmp_path, authority, settings, message):
+    import subprocess
+    import sys
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    config = layout.write_config()
+    config.write_text(config.read_text() + f"\n[websocket]\n{settings}\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("SANDBOX_SUPERVISOR_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "sandbox_supervisor.daemon", "check-config", "--config", str(config)],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert result.returncode == 2
+    assert any(line.startswith(message) for line in result.stderr.splitlines()), result.stderr
+
+
+def test_no_created_series_and_build_info_from_the_given_version() -> None:
+    metrics = SupervisorMetrics("9.9.9")
+    metrics.tool_call("read_file", "success", 0.002)
+    metrics.tool_call("read_file", "not_found")  # a refusal that ran nothing: counted, not timed
+    found = samples(metrics)
+    assert found[("sandbox_supervisor_build_info", (("python", platform.python_version()), ("version", "9.9.9")))] == 1
+    assert found[(f"{DURATION}_count", (("tool", "read_file"),))] == 1
+    assert found[(f"{DURATION}_bucket", (("le", "0.005"), ("tool", "read_file")))] == 1
+    assert not [name for name, _ in found if name.endswith("_created")]
+
+
+async def test_a_metrics_port_in_use_fails_the_start_naming_the_key(tmp_path, authority):
+    import socket
+
+    from sandbox_supervisor.testing.daemon import DaemonExitedEarly
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        layout = make_layout(
+            tmp_path / "d", authority=authority, websocket={"metrics_enabled": True, "metrics_listen": address}
+        )
+        with pytest.raises(DaemonExitedEarly) as exited:
+            async with running_daemon(layout):
+                pass
+    assert exited.value.returncode == 1
+    [failure] = [json.loads(line) for line in exited.value.log.splitlines() if "supervisor.start_failed" in line]
+    # Worded as a control listener's taken port is (supervisor/config.py, config_problem).
+    assert failure["error"] == f"websocket.metrics_listen: {address} is in use: another process listens on it"

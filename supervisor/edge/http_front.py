@@ -29,6 +29,7 @@ METRICS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 class Route(enum.Enum):
     HEALTH = "health"
+    READY = "ready"
     METRICS = "metrics"
     CONTROL_UPGRADE = "control_upgrade"
     # An upgrade of the control path whose framing is ambiguous (a body, or bare-LF lines):
@@ -40,9 +41,12 @@ class Route(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class RoutePaths:
-    control: str
-    health: str
-    metrics: str | None  # None while metrics are disabled: the path is then a plain 404
+    """The paths a listener serves; a None path is a plain 404 there."""
+
+    control: str | None  # None on the metrics-only listener (websocket.metrics_listen)
+    health: str | None
+    metrics: str | None  # None while metrics are disabled, or served on their own listener
+    ready: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,11 +223,11 @@ def upgrade_framing_defect(head: RequestHead) -> str | None:
 
 
 def classify(head: RequestHead, paths: RoutePaths) -> Route:
-    if head.method == b"GET" and head.path == paths.health and not is_websocket_upgrade(head):
-        return Route.HEALTH
+    if head.method == b"GET" and head.path in (paths.health, paths.ready) and not is_websocket_upgrade(head):
+        return Route.HEALTH if head.path == paths.health else Route.READY
     if paths.metrics is not None and head.method == b"GET" and head.path == paths.metrics:
         return Route.METRICS
-    if head.method == b"GET" and head.path == paths.control:
+    if paths.control is not None and head.method == b"GET" and head.path == paths.control:
         if is_websocket_upgrade(head) and upgrade_framing_defect(head) is not None:
             return Route.BAD_UPGRADE
         if is_valid_websocket_handshake(head):

@@ -55,6 +55,8 @@ class ConnectionApp(Protocol):
 
     def health(self) -> tuple[int, bytes]: ...
 
+    def ready(self) -> tuple[int, bytes]: ...
+
     def metrics(self) -> tuple[int, bytes]: ...
 
     def admit_upgrade(self, head: http_front.RequestHead) -> Admit | Refuse: ...
@@ -420,8 +422,8 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
             return
 
         route = http_front.classify(head, app.route_paths)
-        if route is http_front.Route.HEALTH:
-            status, body = app.health()
+        if route is http_front.Route.HEALTH or route is http_front.Route.READY:
+            status, body = app.health() if route is http_front.Route.HEALTH else app.ready()
             await _answer_and_close(stream, http_front.render_response(status, body))
             return
         if route is http_front.Route.METRICS:
@@ -434,7 +436,7 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
             )
             return
         if ticket.probe:
-            # A probe slot answers health and metrics only: the handshake pool is full.
+            # A probe slot answers health, readiness and metrics only: the handshake pool is full.
             budgets.refusals.note("probe_not_health")
             await _answer_and_close(stream, http_front.TOO_MANY_HANDSHAKES_RESPONSE)
             return

@@ -181,11 +181,11 @@ class CallRunner:
         self.unjournaled: OrderedDict[CallKey, _Unjournaled] = OrderedDict()
         self._unjournaled_chars = 0
 
-    def _count(self, body: dict[str, Any]) -> None:
+    def _count(self, body: dict[str, Any], duration_s: float | None = None) -> None:
         if self.telemetry is not None:
             # Unknown tool names are folded into one label: the series count stays bounded.
             tool = body["tool_name"] if body["tool_name"] in self.tools else "unknown"
-            self.telemetry.tool_call(tool, "success" if body["ok"] else body["error"]["code"])
+            self.telemetry.tool_call(tool, "success" if body["ok"] else body["error"]["code"], duration_s)
 
     def _journal_refusal(self, body: dict[str, Any], view: EventView = PUBLIC) -> None:
         """A refusal that claimed no key (invalid, forbidden, key reused): journaled only.
@@ -452,7 +452,8 @@ class CallRunner:
             if key is not None:
                 self._keep_unjournaled(key, _Unjournaled(running, body, started))
             return None
-        self._count(body)
+        duration_s = time.monotonic() - started
+        self._count(body, duration_s)
         log.info(
             "tool.finished",
             call_id=call.call_id,
@@ -460,7 +461,7 @@ class CallRunner:
             ok=body["ok"],
             error=None if body["ok"] else body["error"]["code"],
             exit_code=(body.get("result") or {}).get("exit_code"),
-            duration_ms=round((time.monotonic() - started) * 1000, 3),
+            duration_ms=round(duration_s * 1000, 3),
             session_id=running.context.session_id,
             generation=running.context.generation,
         )
