@@ -179,7 +179,8 @@ class DaemonFront:
             assert self._waiting is not None and self._identity is not None and self._keyring is not None
             return readiness_response(readiness(self._waiting, self._identity, self._keyring, storage_full=True))
         daemon = self.daemon
-        return readiness_response(readiness(daemon.status, daemon.identity, daemon.keyring))
+        full = daemon.admission.storage_full
+        return readiness_response(readiness(daemon.status, daemon.identity, daemon.keyring, storage_full=full))
 
     def metrics(self) -> tuple[int, bytes]:
         from sandbox_supervisor.daemon.ops.metrics import SupervisorMetrics

@@ -130,6 +130,11 @@ async def test_while_full_acks_are_kept_upgrades_get_503_and_all_is_recorded_onc
             refusal = await rejected(client)
             assert (refusal.status, refusal.error) == (503, errors.STORAGE_FULL)
             assert refusal.header("retry-after") == str(errors.STORAGE_FULL_RETRY_AFTER_S)
+            # Readiness says so too (a control plane that connects on /readyz waits), while
+            # liveness stays 200: the daemon serves.
+            ready = await http_request(daemon.unix, "GET", "/readyz")
+            assert ready.status == 503 and ready.json()["checks"]["state"] == "storage_full", ready.json()
+            assert (await http_request(daemon.unix, "GET", "/healthz")).status == 200
 
             # A call cannot be recorded: refused before it runs, its key left free.
             with pytest.raises(CallNotAnswered) as refused:
@@ -137,6 +142,8 @@ async def test_while_full_acks_are_kept_upgrades_get_503_and_all_is_recorded_onc
             assert refused.value.retryable
 
             filler.unlink()
+            # Ready again once space is freed, before any upgrade succeeds (none is needed).
+            assert (await http_request(daemon.unix, "GET", "/readyz")).status == 200
             # The kept ack is written by the daemon itself, with no new ack from the client.
             with trio.fail_after(RECOVERY_DEADLINE_S):
                 while store.snapshot().ack_floor != floor:

@@ -44,10 +44,11 @@ SECTION_NUMBER = re.compile(r"^(\d+(?:\.\d+)*)\.? ")
 SECTION_CITATION = re.compile(r"§(\d+(?:\.\d+)*)")
 
 def _listening_file(text: str) -> object:
-    """What supervisor/app.py's write_listening_file writes: {"tcp": [host:port…], "unix": [path…]}."""
+    """What supervisor/app.py's write_listening_file writes: {"tcp": [host:port…], "unix": [path…]},
+    and "metrics": [host:port] when websocket.metrics_listen is set."""
     document = json.loads(text)
-    assert set(document) == {"tcp", "unix"}, document
-    for address in document["tcp"]:
+    assert {"tcp", "unix"} <= set(document) <= {"tcp", "unix", "metrics"}, document
+    for address in [*document["tcp"], *document.get("metrics", [])]:
         parse_host_port(address)
     assert all(isinstance(path, str) and path.startswith("/") for path in document["unix"])
     return document

@@ -307,7 +307,7 @@ def test_check_config_refuses_a_metrics_listener_off_loopback(tmp_path, authorit
 def test_no_created_series_and_build_info_from_the_given_version() -> None:
     metrics = SupervisorMetrics("9.9.9")
     metrics.tool_call("read_file", "success", 0.002)
-    metrics.tool_call("read_file", "not_found")  # a refusal that ran nothing: counted, not timed
+    metrics.tool_call("read_file", "not_found")  # no duration given (a refusal that freed its key)
     found = samples(metrics)
     assert found[("sandbox_supervisor_build_info", (("python", platform.python_version()), ("version", "9.9.9")))] == 1
     assert found[(f"{DURATION}_count", (("tool", "read_file"),))] == 1
@@ -334,3 +334,27 @@ async def test_a_metrics_port_in_use_fails_the_start_naming_the_key(tmp_path, au
     [failure] = [json.loads(line) for line in exited.value.log.splitlines() if "supervisor.start_failed" in line]
     # Worded as a control listener's taken port is (supervisor/config.py, config_problem).
     assert failure["error"] == f"websocket.metrics_listen: {address} is in use: another process listens on it"
+
+
+async def test_a_refusal_that_started_nothing_is_counted_but_not_timed(tmp_path, authority):
+    """`too_many_processes` frees the key and ran nothing: its result is counted by code, and
+    the duration histogram, which times what the daemon ran, does not observe it."""
+    layout = make_layout(
+        tmp_path / "d", authority=authority, websocket={"metrics_enabled": True}, exec={"max_processes": 1}
+    )
+    shell = (("tool", "execute_shell_command"),)
+    async with running_daemon(layout) as process:
+        running = process.running
+        async with running.client().connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            # Holds the one slot while the second call comes (ends by itself: no signal needed).
+            busy = await session.call("execute_shell_command", {"command": "sleep 3"}, idempotency_key="m-busy")
+            refused = await session.call_and_wait("execute_shell_command", {"command": "true"}, idempotency_key="m-2")
+            assert refused["error"]["code"] == "too_many_processes"
+            refused_only = await scrape(running.tcp)
+            await session.result(busy, timeout=30)
+            after = await scrape(running.tcp)
+    refusals = (("outcome", "too_many_processes"), *shell)
+    assert refused_only[("sandbox_supervisor_tool_calls_total", refusals)] == 1
+    assert refused_only.get((f"{DURATION}_count", shell), 0) == 0
+    assert after[(f"{DURATION}_count", shell)] == 1  # the command that ran

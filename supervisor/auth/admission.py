@@ -9,6 +9,7 @@ decide-and-record pair is atomic on the trio thread.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import structlog
@@ -33,6 +34,20 @@ from sandbox_supervisor.daemon.telemetry import UPGRADE_ACCEPTED, Telemetry
 
 log = structlog.get_logger("supervisor")
 
+# After an upgrade was refused `storage_full`, readiness reports the state full until the
+# state's file system has at least this much more free space than it had then (or an upgrade
+# is recorded): the next attempt would fail the same way, and a probe must not say "ready" to
+# a control plane that connects on it, nor stay "not ready" once an operator freed space.
+SPACE_FREED_BYTES = 256 * 1024
+
+
+def free_bytes(path: os.PathLike[str] | str) -> int | None:
+    """Bytes an unprivileged writer may still use on path's file system (None: unreadable)."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
 
 
 class UpgradeAdmission:
@@ -52,6 +67,18 @@ class UpgradeAdmission:
         self._status = status
         self._verifier = verifier
         self._telemetry = telemetry
+        # Free bytes of the state's file system when the last upgrade failed for space; None
+        # once an upgrade was recorded since (see SPACE_FREED_BYTES).
+        self._full_at_free: int | None = None
+
+    @property
+    def storage_full(self) -> bool:
+        """Whether an upgrade would be refused `storage_full` now, as far as the last attempt
+        and the file system's free space tell (readiness's state check)."""
+        if self._full_at_free is None:
+            return False
+        now = free_bytes(self._store.path.parent)
+        return now is None or now < self._full_at_free + SPACE_FREED_BYTES
 
     def admit(self, head: RequestHead) -> Admit | Refuse:
         now = time.time()
@@ -73,10 +100,13 @@ class UpgradeAdmission:
             )
             if isinstance(decision, Admit):
                 decision = self._record(decision, now)
+                if isinstance(decision, Admit):
+                    self._full_at_free = None
         except StoreFull as exc:
             # A passing fault: the client is told when to come back (Retry-After), not that
             # something broke. The fence was not recorded, so nothing was admitted.
             decision = refuse(errors.STORAGE_FULL, f"store: {exc}")
+            self._full_at_free = free_bytes(self._store.path.parent) or 0
         except StoreError as exc:
             decision = refuse(errors.STATE_UNAVAILABLE, f"store: {type(exc).__name__}")
         self._report(decision)

@@ -81,7 +81,7 @@ def readiness(
     detail: dict[str, str] = {}
     if storage_full:
         checks["state"] = STORAGE_FULL_STATUS
-        detail["state"] = "the state directory is full; the state is opened once space is freed"
+        detail["state"] = "the state directory is full: upgrades are refused until space is freed"
     elif not status.serving:
         checks["state"] = HEALTH_STATUS[status.lifecycle]
         detail["state"] = f"the daemon is {HEALTH_STATUS[status.lifecycle]}"

@@ -131,6 +131,7 @@ class _Unjournaled:
     running: RunningCall
     body: dict[str, Any]
     started: float
+    ran_s: float  # its run time, up to the journal write that failed (not to the retry)
     chars: int = 0
 
     def __post_init__(self) -> None:
@@ -311,7 +312,7 @@ class CallRunner:
         # JOURNAL_KEPT: the first execution finished but its result was not journaled.
         kept = self._take_unjournaled(stored)
         assert kept is not None
-        frame = self._finish(kept.running, kept.body, kept.started)
+        frame = self._finish(kept.running, kept.body, kept.started, ran_s=kept.ran_s)
         if frame is None:
             await reply(error_frame(errors.INTERNAL, UNJOURNALED_KEYED_MESSAGE, call.call_id))
             return False
@@ -430,9 +431,12 @@ class CallRunner:
             self._unjournaled_chars -= kept.chars
         return kept
 
-    def _finish(self, running: RunningCall, body: dict[str, Any], started: float) -> str | None:
+    def _finish(
+        self, running: RunningCall, body: dict[str, Any], started: float, *, ran_s: float | None = None
+    ) -> str | None:
         """Journal the one tool.result (completing or freeing the key) and log the call; the
-        journaled frame, or None when the database refused it."""
+        journaled frame, or None when the database refused it. `ran_s`: the run time of a
+        kept result, measured when its first journal write failed (else: from `started`)."""
         call = running.call
         key = running.key
         try:
@@ -450,10 +454,12 @@ class CallRunner:
             # when the key comes back (or the next start resolves the record, §7.1).
             log.exception("tool.journal_failed", call_id=call.call_id, tool=call.tool_name)
             if key is not None:
-                self._keep_unjournaled(key, _Unjournaled(running, body, started))
+                ran = time.monotonic() - started if ran_s is None else ran_s
+                self._keep_unjournaled(key, _Unjournaled(running, body, started, ran))
             return None
-        duration_s = time.monotonic() - started
-        self._count(body, duration_s)
+        duration_s = time.monotonic() - started if ran_s is None else ran_s
+        # A refusal that started nothing (its key freed) ran nothing to time: counted only.
+        self._count(body, None if frees_key(running, body) else duration_s)
         log.info(
             "tool.finished",
             call_id=call.call_id,
