@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sandbox_supervisor.protocol import closes, errors, frames, headers, tools
+from sandbox_supervisor.protocol import PROTOCOL_VERSION, closes, errors, frames, headers, tools
 from sandbox_supervisor.protocol.schema_export import EXPORTED, schema_of
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -224,32 +224,32 @@ export type ToolResultBody = ToolResultOk | ToolResultFailure;
 """
 
 
+def _const_object(
+    doc: str, name: str, namespace: dict[str, Any], *, prefix: str = "", suffix: str = ""
+) -> list[str]:
+    """`export const name = {…} as const;` of a module's constants named prefix…suffix, sorted,
+    each under its name without the prefix and suffix."""
+    lines = [f"/** {doc} */", f"export const {name} = {{"]
+    for constant in sorted(namespace):
+        if constant.startswith(prefix) and constant.endswith(suffix) and constant != prefix + suffix:
+            lines.append(f"  {constant[len(prefix) : len(constant) - len(suffix)]}: {_literal(namespace[constant])},")
+    return [*lines, "} as const;", ""]
+
+
 def _constants() -> list[str]:
     lines = ["// --- constants (protocol/closes.py, protocol/headers.py, protocol/frames.py) ---", ""]
-    lines.append("/** WebSocket close codes of the control channel (docs/protocol.md §4.4, docs/codes.md). */")
-    lines.append("export const CloseCode = {")
-    for name in sorted(vars(closes)):
-        if name.startswith("CLOSE_"):
-            lines.append(f"  {name[len('CLOSE_'):]}: {getattr(closes, name)},")
-    lines += ["} as const;", ""]
-    lines.append("/** The reasons the supervisor closes with (docs/protocol.md §4.4). */")
-    lines.append("export const CloseReason = {")
-    for name in sorted(vars(closes)):
-        if name.endswith("_REASON"):
-            lines.append(f"  {name[: -len('_REASON')]}: {_literal(getattr(closes, name))},")
-    lines += ["} as const;", ""]
-    lines.append("/** Routing headers of the upgrade (docs/protocol.md §2.1). */")
-    lines.append("export const Header = {")
-    for name in sorted(vars(headers)):
-        if name.endswith("_HEADER"):
-            lines.append(f"  {name[: -len('_HEADER')]}: {_literal(getattr(headers, name))},")
-    lines += ["} as const;", ""]
+    lines += _const_object(
+        "WebSocket close codes of the control channel (docs/protocol.md §4.4, docs/codes.md).",
+        "CloseCode", vars(closes), prefix="CLOSE_",
+    )
+    lines += _const_object("The reasons the supervisor closes with (docs/protocol.md §4.4).", "CloseReason", vars(closes), suffix="_REASON")
+    lines += _const_object("Routing headers of the upgrade (docs/protocol.md §2.1).", "Header", vars(headers), suffix="_HEADER")
     lines.append("/** Each HTTP refusal's status (docs/protocol.md §1, §2.2). */")
     lines.append("export const HTTP_REFUSAL_STATUS = {")
     lines += [f"  {code}: {status}," for code, (status, _message) in errors.HTTP_ERRORS.items()]
     lines += ["} as const satisfies Record<HttpRefusalCode, number>;", ""]
     numbers = {
-        "PROTOCOL_VERSION": 1,
+        "PROTOCOL_VERSION": PROTOCOL_VERSION,
         "MAX_SAFE_INTEGER": headers.MAX_SAFE_INTEGER,
         "MAX_OUTPUT_PAGE_LENGTH": frames.MAX_OUTPUT_PAGE_LENGTH,
         "MAX_BINARY_OUTPUT_PAGE_LENGTH": frames.MAX_BINARY_OUTPUT_PAGE_LENGTH,
