@@ -385,7 +385,7 @@ class LineSplitter:
         self._max = max_line
         self._partial = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes | memoryview) -> list[bytes]:
         self._partial += data
         *lines, rest = self._partial.split(b"\n")
         if len(rest) > self._max:
