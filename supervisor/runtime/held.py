@@ -217,6 +217,8 @@ class HeldProcess:
                 self.live[name].feed(data)
                 self.read_to[name] += len(data)
                 gained = True
+                if len(data) < READ_CHUNK_BYTES:
+                    break  # a short read of a file is its end, for now: no read to learn it
         return gained
 
     def close_files(self) -> None:
