@@ -145,6 +145,7 @@ class HolderLink:
                     return
                 if not data:
                     return
+                answered = False
                 for line in splitter.feed(data):
                     message = decode_message(line)
                     if isinstance(message, Reply):
@@ -157,7 +158,16 @@ class HolderLink:
                                 self._reply_send.send_nowait(message)
                             except trio.WouldBlock:
                                 await self._reply_send.send(message)
+                            answered = True
                     else:
+                        if answered:
+                            # A reply and the events after it came together (a keystroke's
+                            # answer and its echo): the requester runs first, so what it sends
+                            # in reply (exec.stdin_ack) is queued before the events are
+                            # journaled, and the socket's sender, woken by both, writes them
+                            # in one message burst instead of two.
+                            answered = False
+                            await trio.lowlevel.cancel_shielded_checkpoint()
                         on_event(message)
         except HolderProtocolError:
             log.warning("holder.protocol_error", exc_info=True)

@@ -297,6 +297,8 @@ class ProcessHost:
         if isinstance(event, ExitedEvent) and process.exit is None:
             process.exit = event.record
         elif isinstance(event, OutputEvent) and process.exit is None and not process.ended.is_set():
+            if process.read_to[event.stream] >= event.kept:
+                return  # read already (the previous event's read took these bytes too)
             # While the process runs, what the spool gained is read and journaled right here,
             # in the link's reader, as the pump would: handing it to the pump costs a task
             # switch on the way of every keystroke's echo. Nothing here awaits, so this runs
