@@ -162,10 +162,13 @@ class HolderLink:
                     else:
                         if answered:
                             # A reply and the events after it came together (a keystroke's
-                            # answer and its echo): the requester runs first, so what it sends
-                            # in reply (exec.stdin_ack) is queued before the events are
-                            # journaled, and the socket's sender, woken by both, writes them
-                            # in one message burst instead of two.
+                            # answer and its echo). The events are passed on in the next
+                            # scheduler batch, the one in which the requester runs: whatever
+                            # either of them wakes (the socket's sender: the requester queues
+                            # exec.stdin_ack, the events are journaled) runs after both, so
+                            # the two go out in one write. Passed on here, the sender would
+                            # share the requester's batch and, in either order, write the
+                            # output and the ack separately about half the time.
                             answered = False
                             await trio.lowlevel.cancel_shielded_checkpoint()
                         on_event(message)
