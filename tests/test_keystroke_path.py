@@ -114,9 +114,9 @@ async def test_a_running_process_output_is_journaled_as_its_event_arrives(tmp_pa
 
 
 async def test_what_a_reply_and_its_events_wake_runs_after_both() -> None:
-    daemon_end, holder_end = trio.socket.socketpair()
-    link = HolderLink(trio.SocketStream(daemon_end))
-    holder = trio.SocketStream(holder_end)
+    daemon_end, holder_end = socket.socketpair()
+    link = HolderLink(daemon_end)
+    holder = trio.SocketStream(trio.socket.from_stdlib_socket(holder_end))
     answered = False
     woken = trio.Event()
     seen_answered: list[bool] = []
