@@ -89,6 +89,7 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     parse_spec,
     reply_error,
     reply_ok,
+    reply_stdin,
     write_json_atomic,
 )
 from sandbox_supervisor.daemon.runtime.spool import SpoolWriter
@@ -690,7 +691,7 @@ class Holder:
             except StdinClosed:
                 return reply_error(STDIN_CLOSED, "stdin is closed", next=self.stdin.next)
             self._pump_stdin()
-            return reply_ok(next=accepted, closed=self.stdin.closed)
+            return reply_stdin(accepted, self.stdin.closed)
         if request.op == "close_stdin":
             if self.exit is not None:
                 return reply_error(NOT_RUNNING, "the process has exited")
@@ -699,7 +700,7 @@ class Holder:
             except StdinGap as gap:
                 return reply_error(STDIN_GAP, str(gap), expected=gap.expected, next=gap.expected, closed=self.stdin.closed)
             self._pump_stdin()
-            return reply_ok(next=self.stdin.next, closed=True)
+            return reply_stdin(self.stdin.next, True)
         if request.op == "resize":
             if self.spec.pty is None:
                 return reply_error(NOT_A_TERMINAL, "the process has no terminal")
