@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import mmap
 import os
 import selectors
 import signal
@@ -307,8 +308,10 @@ class Holder:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Every read (the control socket's, the outputs') lands here and is used before the
         # next one: a fresh READ_CHUNK_BYTES object per read would be allocated, mapped,
-        # shrunk and unmapped on each keystroke (three system calls beside the read).
-        self._buffer = bytearray(READ_CHUNK_BYTES)
+        # shrunk and unmapped on each keystroke (three system calls beside the read). An
+        # anonymous mapping, not a bytearray: its pages become memory only as reads reach
+        # them (a keystroke's echo touches one), where a bytearray is zeroed whole at once.
+        self._buffer = mmap.mmap(-1, READ_CHUNK_BYTES)
         self._view = memoryview(self._buffer)
 
     # -- start --
