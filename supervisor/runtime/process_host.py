@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -339,9 +340,10 @@ class ProcessHost:
                 return
             self._flush(process, now * 1000, final=False, after_exit=process.ended.is_set())
             deadlines = [t / 1000 for t in (live.next_flush_at() for live in process.live.values()) if t is not None]
-            if not process.ended.is_set():
+            if not process.ended.is_set() and end_due < math.inf:
                 deadlines.append(end_due)
-            # Nothing due (ended, nothing buffered): only the holder's next event wakes it.
+            # Nothing due (nothing buffered, no end pending): only the holder's next event
+            # wakes it, and no cancel scope is entered and left for a deadline that never comes.
             if deadlines:
                 with trio.move_on_at(min(deadlines) + CLOCK_EPSILON_S):
                     await process.wake.wait()
