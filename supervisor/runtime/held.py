@@ -21,7 +21,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,9 +172,21 @@ class HolderLink:
                     return
                 if not data:
                     return
-                answered = False
-                for line in splitter.feed(data):
-                    message = decode_message(line)
+                messages: Sequence[Message] = [decode_message(line) for line in splitter.feed(data)]
+                replies = [message for message in messages if isinstance(message, Reply)]
+                if replies and len(replies) < len(messages):
+                    # A reply and events came in one read (a keystroke's answer and its echo):
+                    # the events first, the reply one scheduler batch later. The socket's
+                    # sender, woken as the events are journaled, then writes the echo before
+                    # the requester's turn makes the exec.stdin_ack, which follows in a write
+                    # of its own. Handed over in the same batch, the requester would run
+                    # before the sender about half the time, and the echo would wait for it.
+                    for message in messages:
+                        if not isinstance(message, Reply):
+                            on_event(message)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    messages = replies
+                for message in messages:
                     if isinstance(message, Reply):
                         if self._abandoned:
                             self._abandoned -= 1  # the late answer to a request given up on
@@ -185,19 +197,7 @@ class HolderLink:
                                 self._reply_send.send_nowait(message)
                             except trio.WouldBlock:
                                 await self._reply_send.send(message)
-                            answered = True
                     else:
-                        if answered:
-                            # A reply and the events after it came together (a keystroke's
-                            # answer and its echo). The events are passed on in the next
-                            # scheduler batch, the one in which the requester runs: whatever
-                            # either of them wakes (the socket's sender: the requester queues
-                            # exec.stdin_ack, the events are journaled) runs after both, so
-                            # the two go out in one write. Passed on here, the sender would
-                            # share the requester's batch and, in either order, write the
-                            # output and the ack separately about half the time.
-                            answered = False
-                            await trio.lowlevel.cancel_shielded_checkpoint()
                         on_event(message)
         except HolderProtocolError:
             log.warning("holder.protocol_error", exc_info=True)
