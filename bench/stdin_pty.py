@@ -9,15 +9,20 @@ daemon's read of the spool, a journal commit, the socket.
 Floor: on one socket to the floor server, a message the server writes to its own `cat` on a
 terminal, answering with what the terminal gives back: a bare PTY echo behind a
 trio-websocket server.
+
+The note adds the holder's CPU per keystroke to the daemon's and the floor server's: the
+daemon's side of a keystroke is both processes' work.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
-import base64
-
-from bench.common import CpuMeter, Mode, Result, daemon, floor_server, key, now, time_ratio_result, workspace
+from bench.common import CpuMeter, Mode, Result, cpu_seconds, daemon, floor_server, key, now, time_ratio_result, workspace
+from sandbox_supervisor.daemon.runtime.holder_protocol import HOLDER_FILE
+from sandbox_supervisor.daemon.runtime.spool import spool_dir
 
 NAME = "stdin_pty"
 TARGET = 2.0
@@ -36,11 +41,14 @@ async def run(mode: Mode, workdir: Path) -> Result:
             call_id = await session.call("start_process", {"command": "cat", "pty": {"rows": 24, "cols": 80}}, idempotency_key=key())
             result = await session.result(call_id)
             assert result["ok"], result
+            holder = json.loads((spool_dir(running.layout.state_dir, call_id) / HOLDER_FILE).read_text())
+            holder_pid = holder["holder_pid"]
             offset = 0
             expected = seen = 0  # line ends of the process's output: wanted, and received so far
             for i in range(warmup + samples):
                 if i == warmup:
                     meter = CpuMeter(process.proc.pid, fs.proc.pid)
+                    holder_cpu = cpu_seconds(holder_pid)
                 started = now()
                 await ws.send_message("T" + LINE)
                 await ws.get_message()
@@ -58,5 +66,7 @@ async def run(mode: Mode, workdir: Path) -> Result:
                     floor.append(elapsed_floor)
                     measured.append(elapsed)
             meter.stop()
+            holder_cpu = cpu_seconds(holder_pid) - holder_cpu
             await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
-    return time_ratio_result(NAME, measured, floor, TARGET, meter.per_op(samples))
+    note = f"{meter.per_op(samples)}, holder {holder_cpu / samples * 1e6:.0f} us"
+    return time_ratio_result(NAME, measured, floor, TARGET, note)

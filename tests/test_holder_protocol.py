@@ -4,6 +4,8 @@ events as the daemon decodes them."""
 
 from __future__ import annotations
 
+import base64
+
 import json
 
 import pytest
@@ -116,6 +118,20 @@ def test_parse_request_raises_only_its_typed_error(line):
         parse_request(line)
     except RequestError:
         pass
+
+
+def test_the_directly_formatted_lines_are_the_generic_encoders_bytes():
+    """encode_stdin, reply_stdin and event_output skip json.dumps (each keystroke makes one
+    of each): their bytes are exactly what `_line` makes of the same document."""
+    for offset, data in [(0, b""), (7, b"x\n"), (2**53 - 1, bytes(range(256)))]:
+        document = {"op": "stdin", "offset": offset, "data": base64.b64encode(data).decode("ascii")}
+        assert hp.encode_stdin(offset, data) == hp._line(document)
+    for next_offset, closed in [(0, False), (14, True), (2**53 - 1, False)]:
+        assert hp.reply_stdin(next_offset, closed) == hp.reply_ok(next=next_offset, closed=closed)
+    for stream in ("stdout", "stderr"):
+        for total, kept in [(0, 0), (48, 48), (2**40, 2**20)]:
+            document = {"ev": "output", "stream": stream, "total": total, "kept": kept}
+            assert hp.event_output(stream, total, kept) == hp._line(document)
 
 
 def test_replies_and_events_decode_for_the_daemon():

@@ -19,8 +19,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,10 +79,16 @@ class HolderSlow(Exception):
 class HolderLink:
     """One control connection to a holder (holder_protocol.py): requests answered in order,
     events passed to a callback. One request at a time (a lock), so the next reply is always
-    the answer to the request in flight."""
+    the answer to the request in flight.
 
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self._stream = stream
+    The socket is a plain non-blocking one, read and written directly and waited on with
+    trio's wait_readable/wait_writable only when it must be: each keystroke crosses this link
+    twice, and trio's socket stream would add a failed read per message and a scheduler pass
+    per send (its checkpoints) to the daemon's work for it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
         self._lock = trio.Lock()
         self._reply_send, self._reply_receive = trio.open_memory_channel[Reply](1)
         self.closed = trio.Event()
@@ -95,9 +102,12 @@ class HolderLink:
         longer than a unix socket address holds."""
         fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            return cls(await trio.open_unix_socket(control_socket_path(fd)))
+            stream = await trio.open_unix_socket(control_socket_path(fd))  # trio's connect
         finally:
             os.close(fd)
+        connected = stream.socket
+        family, kind, proto = connected.family, connected.type, connected.proto
+        return cls(socket.socket(family, kind, proto, fileno=connected.detach()))
 
     async def request(self, line: bytes) -> Reply:
         try:
@@ -115,10 +125,7 @@ class HolderLink:
     async def _request_locked(self, line: bytes) -> Reply:
         if self.closed.is_set():
             raise HolderGone()
-        try:
-            await self._stream.send_all(line)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise HolderGone() from None
+        await self._send_all(line)
         with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
             try:
                 return await self._reply_receive.receive()
@@ -132,6 +139,21 @@ class HolderLink:
             raise HolderGone() from None
         raise HolderSlow()
 
+    async def _send_all(self, line: bytes) -> None:
+        """Write the whole line, waiting only while the socket is full (a request is a line
+        of at most MAX_LINE_BYTES; the holder reads them as they come)."""
+        view = memoryview(line)
+        while view:
+            try:
+                view = view[self._sock.send(view) :]
+            except BlockingIOError:
+                try:
+                    await trio.lowlevel.wait_writable(self._sock)
+                except trio.ClosedResourceError:
+                    raise HolderGone() from None
+            except OSError:  # EPIPE, ECONNRESET: the holder is gone; EBADF: the link closed
+                raise HolderGone() from None
+
     async def run(self, on_event: Callable[[Message], None]) -> None:
         """Read the holder's lines until it closes the connection (or says something the
         protocol does not allow: then the link is dropped, and the spool and exit record
@@ -140,13 +162,31 @@ class HolderLink:
         try:
             while True:
                 try:
-                    data = await self._stream.receive_some(READ_CHUNK_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # Waited on first: after the previous message the socket is nearly always
+                    # empty, and a read to learn that is a system call for nothing.
+                    await trio.lowlevel.wait_readable(self._sock)
+                    data = self._sock.recv(READ_CHUNK_BYTES)
+                except BlockingIOError:
+                    continue
+                except (OSError, trio.ClosedResourceError):
                     return
                 if not data:
                     return
-                for line in splitter.feed(data):
-                    message = decode_message(line)
+                messages: Sequence[Message] = [decode_message(line) for line in splitter.feed(data)]
+                replies = [message for message in messages if isinstance(message, Reply)]
+                if replies and len(replies) < len(messages):
+                    # A reply and events came in one read (a keystroke's answer and its echo):
+                    # the events first, the reply one scheduler batch later. The socket's
+                    # sender, woken as the events are journaled, then writes the echo before
+                    # the requester's turn makes the exec.stdin_ack, which follows in a write
+                    # of its own. Handed over in the same batch, the requester would run
+                    # before the sender about half the time, and the echo would wait for it.
+                    for message in messages:
+                        if not isinstance(message, Reply):
+                            on_event(message)
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    messages = replies
+                for message in messages:
                     if isinstance(message, Reply):
                         if self._abandoned:
                             self._abandoned -= 1  # the late answer to a request given up on
@@ -166,7 +206,9 @@ class HolderLink:
             self._reply_send.close()
 
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        trio.lowlevel.notify_closing(self._sock)  # a task waiting on it gets ClosedResourceError
+        self._sock.close()
+        await trio.lowlevel.checkpoint()
 
 
 @dataclass(eq=False)
@@ -217,6 +259,8 @@ class HeldProcess:
                 self.live[name].feed(data)
                 self.read_to[name] += len(data)
                 gained = True
+                if len(data) < READ_CHUNK_BYTES:
+                    break  # a short read of a file is its end, for now: no read to learn it
         return gained
 
     def close_files(self) -> None:

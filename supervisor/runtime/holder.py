@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import mmap
 import os
 import selectors
 import signal
@@ -89,6 +90,7 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     parse_spec,
     reply_error,
     reply_ok,
+    reply_stdin,
     write_json_atomic,
 )
 from sandbox_supervisor.daemon.runtime.spool import SpoolWriter
@@ -304,6 +306,13 @@ class Holder:
         self.exit_recorded = False
         self.client: Client | None = None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Every read (the control socket's, the outputs') lands here and is used before the
+        # next one: a fresh READ_CHUNK_BYTES object per read would be allocated, mapped,
+        # shrunk and unmapped on each keystroke (three system calls beside the read). An
+        # anonymous mapping, not a bytearray: its pages become memory only as reads reach
+        # them (a keystroke's echo touches one), where a bytearray is zeroed whole at once.
+        self._buffer = mmap.mmap(-1, READ_CHUNK_BYTES)
+        self._view = memoryview(self._buffer)
 
     # -- start --
 
@@ -482,15 +491,15 @@ class Holder:
     def _on_output(self, name: Stream) -> None:
         fd = self.outputs[name]
         try:
-            data = os.read(fd, READ_CHUNK_BYTES)
+            count = os.readv(fd, [self._buffer])
         except BlockingIOError:
             return
         except OSError as exc:
             if exc.errno != errno.EIO:  # EIO: a pty's master once no slave is open: its end
                 raise
-            data = b""
-        if data:
-            self.writers[name].write(data)
+            count = 0
+        if count:
+            self.writers[name].write(self._view[:count])
             return
         self.selector.unregister(fd)
         del self.outputs[name]
@@ -594,11 +603,16 @@ class Holder:
         else:
             self.selector.register(client.sock, events, self._on_client)
 
-    def _on_client(self, mask: int) -> None:
+    def _send_queued(self) -> bool:
+        """Write what is queued for the client now, as far as its socket takes it (False:
+        the client is gone). A reply or an event leaves in the turn that made it: waiting for
+        the selector to report the socket writable would cost, for each, an interest change,
+        another select and a change back (a keystroke makes a reply and an output event).
+        Only what the socket does not take waits for EVENT_WRITE."""
         client = self.client
         if client is None:
-            return
-        if mask & selectors.EVENT_WRITE and client.queue:
+            return False
+        if client.queue:
             try:
                 sent = client.sock.send(client.queue)
                 del client.queue[:sent]
@@ -606,26 +620,36 @@ class Holder:
                 pass
             except OSError:
                 self._drop_client()
-                return
+                return False
+        return True
+
+    def _on_client(self, mask: int) -> None:
+        client = self.client
+        if client is None:
+            return
+        if mask & selectors.EVENT_WRITE and not self._send_queued():
+            return
         if mask & selectors.EVENT_READ and client.reading:
             try:
-                data = client.sock.recv(READ_CHUNK_BYTES)
+                count: int | None = client.sock.recv_into(self._buffer)
             except BlockingIOError:
-                data = None
+                count = None
             except OSError:
-                data = b""
-            if data == b"":
+                count = 0
+            if count == 0:
                 self._drop_client()
                 return
-            if data:
+            if count:
                 try:
-                    lines = client.lines.feed(data)
+                    lines = client.lines.feed(self._view[:count])
                 except LineTooLong as exc:
                     client.queue += reply_error(LINE_TOO_LONG, str(exc))
                     self._flush_and_drop()
                     return
                 for line in lines:
                     client.queue += self._answer(line)
+                if not self._send_queued():
+                    return
         self._client_interest()
 
     def _flush_and_drop(self) -> None:
@@ -670,7 +694,7 @@ class Holder:
             except StdinClosed:
                 return reply_error(STDIN_CLOSED, "stdin is closed", next=self.stdin.next)
             self._pump_stdin()
-            return reply_ok(next=accepted, closed=self.stdin.closed)
+            return reply_stdin(accepted, self.stdin.closed)
         if request.op == "close_stdin":
             if self.exit is not None:
                 return reply_error(NOT_RUNNING, "the process has exited")
@@ -679,7 +703,7 @@ class Holder:
             except StdinGap as gap:
                 return reply_error(STDIN_GAP, str(gap), expected=gap.expected, next=gap.expected, closed=self.stdin.closed)
             self._pump_stdin()
-            return reply_ok(next=self.stdin.next, closed=True)
+            return reply_stdin(self.stdin.next, True)
         if request.op == "resize":
             if self.spec.pty is None:
                 return reply_error(NOT_A_TERMINAL, "the process has no terminal")
@@ -709,7 +733,7 @@ class Holder:
         if self.exit is not None and not client.exited_sent:
             client.exited_sent = True
             client.queue += event_exited(self.exit)
-        if len(client.queue) != before:
+        if len(client.queue) != before and self._send_queued():
             self._client_interest()
 
     # -- the end --

@@ -65,6 +65,8 @@ def held_back(data: bytes | bytearray) -> int:
     Exactly what a UTF-8 decoder would hold back: a valid but unfinished sequence. Only the
     last three bytes can hold one, and the bytes before them cannot change the answer.
     """
+    if not data or data[-1] < 0x80:
+        return 0  # ends in ASCII (or nothing): no character is left open (the usual case)
     decoder = codecs.getincrementaldecoder("utf-8")(_REPLACE)
     decoder.decode(bytes(data[-(MAX_CHARACTER_BYTES - 1) :]), final=False)
     pending, _ = decoder.getstate()

@@ -46,6 +46,7 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     HolderInfo,
     HolderSpec,
     Message,
+    OutputEvent,
     Reply,
     TerminalSize,
     encode_close_stdin,
@@ -296,6 +297,19 @@ class ProcessHost:
     def _on_event(self, process: HeldProcess, event: Message) -> None:
         if isinstance(event, ExitedEvent) and process.exit is None:
             process.exit = event.record
+        elif isinstance(event, OutputEvent) and process.exit is None and not process.ended.is_set():
+            if process.read_to[event.stream] >= event.kept:
+                return  # read already (the previous event's read took these bytes too)
+            # While the process runs, what the spool gained is read and journaled right here,
+            # in the link's reader, as the pump would: handing it to the pump costs a task
+            # switch on the way of every keystroke's echo. Nothing here awaits, so this runs
+            # between two passes of the pump, never inside one. The pump is woken only when
+            # something stays buffered (the throttle of a command's output): it keeps the
+            # deadlines, and the process's end.
+            process.read_new()
+            self._flush(process, trio.current_time() * 1000, final=False, after_exit=False)
+            if all(live.next_flush_at() is None for live in process.live.values()):
+                return
         process.wake.set()
 
     async def _pump(self, process: HeldProcess, link: HolderLink | None) -> None:
@@ -326,10 +340,14 @@ class ProcessHost:
                 return
             self._flush(process, now * 1000, final=False, after_exit=process.ended.is_set())
             deadlines = [t / 1000 for t in (live.next_flush_at() for live in process.live.values()) if t is not None]
-            if not process.ended.is_set():
+            if not process.ended.is_set() and end_due < math.inf:
                 deadlines.append(end_due)
-            # Nothing due (ended, nothing buffered): only the holder's next event wakes it.
-            with trio.move_on_at(min(deadlines) + CLOCK_EPSILON_S if deadlines else math.inf):
+            # Nothing due (nothing buffered, no end pending): only the holder's next event
+            # wakes it, and no cancel scope is entered and left for a deadline that never comes.
+            if deadlines:
+                with trio.move_on_at(min(deadlines) + CLOCK_EPSILON_S):
+                    await process.wake.wait()
+            else:
                 await process.wake.wait()
 
     def _flush(self, process: HeldProcess, now_ms: float, *, final: bool, after_exit: bool) -> None:

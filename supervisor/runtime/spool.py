@@ -332,8 +332,9 @@ class SpoolWriter:
         except OSError as exc:
             self.write_error = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
 
-    def write(self, data: bytes) -> int:
-        """Keep what fits under the cap; the number of bytes kept."""
+    def write(self, data: bytes | memoryview) -> int:
+        """Keep what fits under the cap; the number of bytes kept. `data` is used only
+        during the call (a holder passes a view of its read buffer)."""
         if self._closed:
             raise ValueError("write to a closed spool stream")
         if self._fd is None and data and not self.write_error:
