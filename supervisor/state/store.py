@@ -37,7 +37,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Space given back after pruning (docs/operations.md, "Disk use of the state directory"): the
 # database is in incremental auto-vacuum mode, and free pages are returned to the file system
@@ -257,6 +257,11 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
             ended_at REAL)""",
         "CREATE INDEX held_ended ON held (ended_at) WHERE ended_at IS NOT NULL",
     ),
+    # Schema 7 changes no table: an append no longer writes meta.last_seq (the last seq is
+    # the larger of it and the events' max(seq), _last_seq_in). A daemon of an earlier
+    # release would take the stale meta value for the last seq and fail every append on a
+    # seq already used; with the version raised it refuses the database at start instead.
+    (),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
