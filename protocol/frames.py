@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal, TypeVar
 
@@ -31,6 +32,7 @@ from pydantic import (
 
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
 from sandbox_supervisor.protocol.errors import INVALID_FRAME, UNKNOWN_KIND
+from sandbox_supervisor.protocol.headers import MAX_SAFE_INTEGER
 from sandbox_supervisor.protocol.fields import (
     CallId,
     Count,
@@ -715,6 +717,36 @@ def encode_frame(frame: BaseModel) -> str:
     """The one encoder of server frames: compact JSON (no spaces), keys in field order,
     optional fields omitted when absent, non-ASCII as UTF-8."""
     return frame.model_dump_json(by_alias=True)
+
+
+_REQUEST_ID_RE = re.compile(REQUEST_ID_PATTERN)
+
+
+def _count(value: object) -> bool:
+    """What `Count` accepts, for the direct encoders (strict: an int, not a bool)."""
+    return type(value) is int and 0 <= value <= MAX_SAFE_INTEGER
+
+
+def encode_stdin_ack(call_id: str, offset: int, next_offset: int, closed: bool, request_id: str | None) -> str:
+    """exec.stdin_ack, one per keystroke of a terminal: written directly, byte for byte what
+    `encode_frame(ExecStdinAckFrame(...))` gives (tests/test_frames_direct.py holds this), at a
+    fraction of a model's validation and dump. The model stays the schema: the values are
+    checked as it checks them (its patterns admit no character JSON escapes), and anything
+    the check does not pass goes through the model, which encodes it or raises as before."""
+    if (
+        is_call_id(call_id)
+        and _count(offset)
+        and _count(next_offset)
+        and type(closed) is bool
+        and (request_id is None or (len(request_id) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID_RE.fullmatch(request_id) is not None))
+    ):
+        tail = "}}" if request_id is None else f',"request_id":"{request_id}"}}}}'
+        return (
+            f'{{"kind":"{EXEC_STDIN_ACK}","body":{{"call_id":"{call_id}","offset":{offset},'
+            f'"next_offset":{next_offset},"closed":{"true" if closed else "false"}{tail}'
+        )
+    body = {"call_id": call_id, "offset": offset, "next_offset": next_offset, "closed": closed, "request_id": request_id}
+    return encode_frame(ExecStdinAckFrame(body=ExecStdinAckBody.model_validate(body)))
 
 
 EVENT_MODELS: dict[str, type[ExecStartedEvent | ExecOutputEvent | ExecCompletedEvent | ToolResultEvent]] = {

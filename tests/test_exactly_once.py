@@ -44,7 +44,12 @@ def journal_rows(state_dir):
     conn = sqlite3.connect(state_dir / DB_FILENAME)
     try:
         events = conn.execute("SELECT seq, kind, frame_json FROM events ORDER BY seq").fetchall()
-        last = conn.execute("SELECT value FROM meta WHERE key = 'last_seq'").fetchone()
+        # The journal's last seq as the store reads it (state/store.py `_last_seq_in`): an
+        # append writes no meta row, meta's value is kept for when the newest events are gone.
+        last = conn.execute(
+            "SELECT MAX(COALESCE((SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'last_seq'), 0),"
+            " COALESCE((SELECT MAX(seq) FROM events), 0))"
+        ).fetchone()
         pending = conn.execute("SELECT COUNT(*) FROM idempotency WHERE state = 'pending'").fetchone()[0]
     finally:
         conn.close()

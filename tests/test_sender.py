@@ -197,3 +197,42 @@ async def test_a_reply_cancelled_while_the_queue_is_full_gives_its_size_back():
         assert scope.cancelled_caught
         assert sender._queued_chars == before
         nursery.cancel_scope.cancel()
+
+
+async def test_an_idle_sender_outlives_its_write_timeout_and_a_stalled_write_ends_it(tmp_path, autojump_clock):
+    """The write deadline runs only while a write is under way: a socket idle for many write
+    timeouts between two writes keeps its sender; a write the peer never takes ends it,
+    stalled, after the timeout."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+    timeout_s = 1.0
+
+    async def body(ws, counted, client):
+        stalled = trio.Event()
+        sender = SocketSender(ws, journal, cursor=0, write_timeout_s=timeout_s, on_stalled=stalled.set)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            await sender.reply("one")
+            assert await client.get_message() == "one"
+            await trio.sleep(5 * timeout_s)  # idle (the mock clock jumps)
+            await sender.reply("two")
+            assert await client.get_message() == "two"
+            assert not sender.stopped and not sender.stalled
+            # Now a write that never completes: the peer has stopped reading.
+            never = trio.Event()
+
+            async def blocked_write(data: bytes) -> None:
+                await never.wait()
+
+            counted.send_all = blocked_write  # type: ignore[method-assign]
+            started = trio.current_time()
+            await sender.reply("three")
+            await stalled.wait()
+            assert sender.stalled and sender.stopped
+            assert trio.current_time() - started >= timeout_s
+            nursery.cancel_scope.cancel()
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()

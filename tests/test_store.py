@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_supervisor.daemon.state.keys import owner_key
 from sandbox_supervisor.daemon.state.store import (
     DB_FILENAME,
     SCHEMA_VERSION,
     AckAhead,
     AlreadyBound,
+    CallRetention,
     FenceRegressed,
     JtiReplayed,
     StateStore,
@@ -242,6 +244,51 @@ def test_seqs_stay_dense_across_reopen_and_prune(state_dir: Path) -> None:
         assert [row.seq for row in store.append_events([("tool.result", tool_result()), ("tool.result", tool_result())])] == [6, 7]
         snap = store.snapshot()
         assert (snap.local_event_max, snap.oldest_retained_seq, snap.ack_floor) == (7, 6, 5)
+
+
+def test_an_appended_event_writes_its_row_and_nothing_else(store: StateStore) -> None:
+    """The last seq lives in memory, not in a meta row rewritten by every append: an event's
+    commit changes one row (the hot path's commit writes one page fewer)."""
+    store.append_events([("tool.result", tool_result())], now=NOW)
+    before = store._conn.total_changes
+    assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [2]
+    assert store._conn.total_changes - before == 1
+    assert store.snapshot().local_event_max == 2
+
+
+def test_a_rolled_back_append_leaves_no_gap_and_a_restart_no_reuse(state_dir: Path) -> None:
+    """The in-memory last seq moves only with a commit; after a restart it is read back even
+    when the newest events were acked away (meta keeps it) or were never in meta (the rows)."""
+    with StateStore.open(state_dir) as store:
+        store.append_events([("tool.result", tool_result())], now=NOW)
+        with pytest.raises(StoreError):
+            # Its tool.result is appended, then the missing record fails the transaction.
+            store.complete_call(owner_key("absent"), tool_result(), now=NOW)
+        assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [2]
+    with StateStore.open(state_dir) as store:
+        assert store.snapshot().local_event_max == 2
+        assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [3]
+        assert store.raise_ack_floor(3) == 3
+    with StateStore.open(state_dir) as store:
+        assert store.events_after(0, 10) == []
+        assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [4]
+
+
+def test_a_forgotten_newest_result_is_not_reused_after_a_restart(state_dir: Path) -> None:
+    """An acked result that a record kept is deleted when the record is pruned: if it was
+    the newest event, its seq must still never be assigned again."""
+    key = owner_key("k")
+    with StateStore.open(state_dir, CallRetention(max_age_s=60.0)) as store:
+        assert store.begin_call(key=key, tool_name="read_file", digest="d" * 64,
+                                call_id="0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", intent_json=None, now=NOW) is None
+        assert [row.seq for row in store.complete_call(key, tool_result(), now=NOW)] == [1]
+        assert store.raise_ack_floor(1) == 1
+        assert [seq for seq, _ in store.events_after(0, 10)] == []  # kept for the record only
+        assert store.prune_calls(now=NOW + 3600) == 1
+        assert store._conn.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0
+    with StateStore.open(state_dir) as store:
+        assert store.snapshot().local_event_max == 1
+        assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [2]
 
 
 def test_an_ack_prunes_what_the_floor_covers_and_no_more(store: StateStore) -> None:

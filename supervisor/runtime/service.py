@@ -24,11 +24,10 @@ from sandbox_supervisor.protocol.frames import (
     ExecReadOutputFrame,
     ExecResizeFrame,
     ExecSignalFrame,
-    ExecStdinAckBody,
-    ExecStdinAckFrame,
     ExecWriteStdinFrame,
     ServerFrameModel,
     encode_binary_page,
+    encode_stdin_ack,
 )
 from sandbox_supervisor.daemon.runtime.audience import audience_for
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
@@ -66,7 +65,7 @@ class Runtime:
         resolved by the jail's walk from the opened agent.cwd."""
         return audience_for(self.calls.roots, scopes, allowed_paths, allowed_commands, cwd)
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | bytes | None:
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | str | bytes | None:
         """The exec.* frames (docs/protocol.md §7.4.6, §7.4.7, §7.7): an answer frame, a
         binary message (a binary exec.output_page, §6.5.1), or None (a signal sent, a resize
         done). `audience`: what the sending socket may see;
@@ -127,7 +126,7 @@ class Runtime:
         }
         return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(body))
 
-    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | bytes | None:
+    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | str | bytes | None:
         call_id = held.call_id
         request_id = frame.body.request_id
         if isinstance(frame, ExecReadOutputFrame):
@@ -162,8 +161,9 @@ def _error(code: str, call_id: str, request_id: str | None, message: str | None 
     return ErrorFrame(body=ErrorBody(code=code, message=text, call_id=call_id, request_id=request_id))
 
 
-def _stdin_answer(ack: str | dict[str, Any], call_id: str, request_id: str | None) -> ServerFrameModel:
-    """exec.stdin_ack, or the error code a stdin frame was refused with."""
+def _stdin_answer(ack: str | dict[str, Any], call_id: str, request_id: str | None) -> ServerFrameModel | str:
+    """exec.stdin_ack, already encoded (one per keystroke: the direct encoder), or the error
+    code a stdin frame was refused with."""
     if isinstance(ack, str):
         return _error(ack, call_id, request_id)
-    return ExecStdinAckFrame(body=ExecStdinAckBody.model_validate({**ack, "request_id": request_id}))
+    return encode_stdin_ack(ack["call_id"], ack["offset"], ack["next_offset"], ack["closed"], request_id)

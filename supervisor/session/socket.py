@@ -74,7 +74,7 @@ class RuntimePort(Protocol):
         self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool]
     ) -> None: ...
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | bytes | None: ...
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | str | bytes | None: ...
 
     def audience(
         self,
@@ -261,8 +261,9 @@ class ControlSocket:
             elif isinstance(action, RunExec):
                 answer = await self.services.runtime.exec_frame(action.frame, self._socket_audience())
                 if answer is not None:
-                    # bytes: a binary exec.output_page, sent as a binary message (§6.5.1).
-                    await self._reply(answer if isinstance(answer, bytes) else encode_frame(answer))
+                    # bytes: a binary exec.output_page, sent as a binary message (§6.5.1);
+                    # str: a frame the runtime encoded directly (exec.stdin_ack).
+                    await self._reply(answer if isinstance(answer, (bytes, str)) else encode_frame(answer))
             elif isinstance(action, Bind):
                 services = self.services
                 outcome = bootstrap.bind(

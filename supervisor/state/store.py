@@ -37,7 +37,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Space given back after pruning (docs/operations.md, "Disk use of the state directory"): the
 # database is in incremental auto-vacuum mode, and free pages are returned to the file system
@@ -257,6 +257,11 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
             ended_at REAL)""",
         "CREATE INDEX held_ended ON held (ended_at) WHERE ended_at IS NOT NULL",
     ),
+    # Schema 7 changes no table: an append no longer writes meta.last_seq (the last seq is
+    # the larger of it and the events' max(seq), _last_seq_in). A daemon of an earlier
+    # release would take the stale meta value for the last seq and fail every append on a
+    # seq already used; with the version raised it refuses the database at start instead.
+    (),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -466,6 +471,12 @@ class StateStore:
         # itself).
         self._high_water_dir: Path | None = None
         self._journaled_through: int | None = None  # set by an append, recorded at commit
+        # The last seq ever assigned, as committed: kept here rather than read and written in
+        # `meta` by every append (two statements and a page of each event's commit). This
+        # store is the database's only writer, so the value cannot change behind it; it is
+        # loaded from the database by the first transaction that needs it (_last_seq_in) and
+        # moves only once a commit that journaled events has succeeded (_transaction).
+        self._last_seq: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -553,8 +564,8 @@ class StateStore:
         they disagree); give a new or adopted database its instance id, and write
         instance.json when it is missing. Returns the journal's last seq."""
         with self._transaction() as conn:
-            meta = _read_meta(conn, META_INSTANCE_ID, META_LAST_SEQ)
-            last_seq = int(meta.get(META_LAST_SEQ, 0))
+            meta = _read_meta(conn, META_INSTANCE_ID)
+            last_seq = self._last_seq_in(conn)
             has_state = last_seq > 0 or conn.execute("SELECT 1 FROM binding").fetchone() is not None
             db_instance = meta.get(META_INSTANCE_ID)
             integrity.check_instance(state_dir, marker, db_instance, last_seq, has_state, high_water)
@@ -707,6 +718,8 @@ class StateStore:
             try:
                 yield conn
                 conn.execute("COMMIT")
+                if self._journaled_through is not None:
+                    self._last_seq = self._journaled_through
             except BaseException as exc:
                 self._journaled_through = None
                 try:
@@ -745,7 +758,7 @@ class StateStore:
             oldest = conn.execute(
                 "SELECT MIN(seq) FROM events WHERE seq > ?", (int(meta.get(META_ACK_FLOOR, 0)),)
             ).fetchone()[0]
-        last_seq = int(meta.get(META_LAST_SEQ, 0))
+            last_seq = self._last_seq_in(conn)
         terminated = None
         if META_TERMINATED in meta:
             data = json.loads(meta[META_TERMINATED])
@@ -873,14 +886,16 @@ class StateStore:
         if seq < 0:
             raise ValueError("an ack seq cannot be negative")
         with self._transaction() as conn:
-            meta = _read_meta(conn, META_ACK_FLOOR, META_LAST_SEQ)
-            last_seq = int(meta.get(META_LAST_SEQ, 0))
+            meta = _read_meta(conn, META_ACK_FLOOR)
+            last_seq = self._last_seq_in(conn)
             if seq > last_seq:
                 raise AckAhead(f"ack {seq} is above the highest journaled seq {last_seq}")
             previous = int(meta.get(META_ACK_FLOOR, 0))
             floor = max(previous, seq)
-            _write_meta(conn, {META_ACK_FLOOR: str(floor)})
             if floor > previous:
+                # The events about to go may include the newest: `meta` keeps the last seq
+                # from now on, so it is never assigned again (_last_seq_in).
+                _write_meta(conn, {META_ACK_FLOOR: str(floor), META_LAST_SEQ: str(last_seq)})
                 # Only the newly covered range: below the old floor is either already gone or
                 # a result a completed record points at, which stays (stored once,
                 # docs/protocol.md §8) until the record is forgotten; nothing replays it. So
@@ -1182,8 +1197,8 @@ class StateStore:
         self._forget_completed_in(conn, victims, stored)
         return len(victims)
 
-    @staticmethod
     def _forget_completed_in(
+        self,
         conn: sqlite3.Connection,
         victims: Sequence[tuple[CallKey, int | None, int | None]],
         stored: int | None = None,
@@ -1198,14 +1213,18 @@ class StateStore:
             [key for key, _, _ in victims],
         )
         floor = int(_read_meta(conn, META_ACK_FLOOR).get(META_ACK_FLOOR, 0))
-        conn.executemany(
+        deleted = conn.executemany(
             "DELETE FROM events WHERE seq = ? AND seq <= ?",
             [(seq, floor) for _, _, seq in victims if seq is not None],
-        )
+        ).rowcount
         freed = sum(size or 0 for _, size, _ in victims)
         # Never below zero, even over a counter a hand-edited database left too low.
         total = max(0, (_call_result_bytes(conn) if stored is None else stored) - freed)
-        _write_meta(conn, {META_CALL_RESULT_BYTES: str(total)})
+        values = {META_CALL_RESULT_BYTES: str(total)}
+        if deleted > 0:
+            # An event went: `meta` keeps the last seq, so it is never assigned again.
+            values[META_LAST_SEQ] = str(self._last_seq_in(conn))
+        _write_meta(conn, values)
 
     def _append_events_in(
         self,
@@ -1220,7 +1239,7 @@ class StateStore:
         shell's, from `origin`), except the last one's when `last_view` is given (a call's
         tool.result, whose path only the call knows)."""
         # Encode everything before the first write, so a body that is not JSON leaves no trace.
-        last_seq = int(_read_meta(conn, META_LAST_SEQ).get(META_LAST_SEQ, 0))
+        last_seq = self._last_seq_in(conn)
         rows: list[JournalRow] = []
         for offset, (kind, body) in enumerate(events, start=1):
             seq = last_seq + offset  # encode_event refuses (ValueError) an unknown kind or bad body
@@ -1240,9 +1259,22 @@ class StateStore:
                 for row, (kind, _) in zip(rows, events)
             ],
         )
-        _write_meta(conn, {META_LAST_SEQ: str(last_seq + len(rows))})
-        self._journaled_through = last_seq + len(rows)  # recorded outside once committed
+        # No `meta` write: the new rows hold the new last seq (_last_seq_in).
+        self._journaled_through = last_seq + len(rows)  # taken, and recorded outside, once committed
         return rows
+
+    def _last_seq_in(self, conn: sqlite3.Connection) -> int:
+        """The last seq assigned, this transaction's appends included. In the database it is
+        the larger of the newest event's seq and `meta`'s `last_seq`, which every transaction
+        that deletes events writes first: so seqs stay dense and are never reused, even once
+        the newest events are acked and gone, while an append writes no `meta` row."""
+        if self._journaled_through is not None:
+            return self._journaled_through
+        if self._last_seq is None:
+            stored = int(_read_meta(conn, META_LAST_SEQ).get(META_LAST_SEQ, 0))
+            newest = conn.execute("SELECT MAX(seq) FROM events").fetchone()[0]
+            self._last_seq = max(stored, newest or 0)
+        return self._last_seq
 
     def add_call_intent(self, key: CallKey, fields: dict[str, Any]) -> None:
         """Add `fields` (top-level members, replaced if present) to a pending call's intent
