@@ -145,7 +145,12 @@ async def test_start_process_is_exactly_once_by_key(session, daemon):
 
 # -- across daemon restarts (the daemon as a real subprocess) ------------------------------
 
-COUNTER = '(i=0; while :; do echo "$i"; i=$((i+1)); sleep 0.01; done) & read -r line; echo "got $line"; kill $!; exit 7'
+# The counter is killed (and waited for) before the answer is printed: killed after it, it
+# could print one more number behind "got …" now and then, and the spool would not end there.
+COUNTER = (
+    '(i=0; while :; do echo "$i"; i=$((i+1)); sleep 0.01; done) & '
+    'read -r line; kill $!; wait $! 2>/dev/null; echo "got $line"; exit 7'
+)
 
 
 def events_of(client, call_id: str, kind: str) -> list[dict]:

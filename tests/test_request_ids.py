@@ -88,7 +88,11 @@ async def test_a_binary_page_header_echoes_the_request_id(session):
 
 
 async def test_stdin_ack_processes_and_held_errors_echo_the_request_id(session):
-    call_id = await session.call("start_process", {"command": "read -r line; echo got $line"}, idempotency_key="held")
+    # Two reads: the process is still running when the resize comes (the first line alone
+    # could end it first, and the resize would then be refused not_running).
+    call_id = await session.call(
+        "start_process", {"command": "read -r line; read -r more; echo got $line"}, idempotency_key="held"
+    )
     assert (await session.result(call_id, timeout=DEADLINE_S))["ok"] is True
     data = base64.b64encode(b"x\n").decode()
     await session.send("exec.write_stdin", {"call_id": call_id, "offset": 0, "data": data, "request_id": "w-1"})
@@ -102,6 +106,9 @@ async def test_stdin_ack_processes_and_held_errors_echo_the_request_id(session):
     assert resized["body"] == {
         "code": errors.NOT_A_TERMINAL, "message": "The process has no terminal.", "call_id": call_id, "request_id": "z-1",
     }
+    await session.send("exec.close_stdin", {"call_id": call_id, "offset": 2, "request_id": "c-0"})
+    (eof,) = await _answers(session, 1)
+    assert eof["kind"] == "exec.stdin_ack" and eof["body"]["request_id"] == "c-0" and eof["body"]["closed"]
     await session.exec_completed(call_id, timeout=DEADLINE_S)
     await session.send("exec.close_stdin", {"call_id": call_id, "offset": 2, "request_id": "c-1"})
     (closed,) = await _answers(session, 1)
