@@ -33,7 +33,7 @@ BUILD_TIMEOUT_S = 120
 NODE_TESTS_TIMEOUT_S = 120
 NODE_TEST_TIMEOUT_MS = 30_000
 DAEMON_POLL_S = 0.02  # how often the stopping test looks whether the daemon's run has exited  # one node test; a hang fails it with its name, not the whole run
-UNIT_TESTS = ("policy.test.js", "store.test.js", "schemas.test.js")
+UNIT_TESTS = ("policy.test.js", "contract.test.js", "store.test.js", "schemas.test.js")
 DAEMON_TESTS = ("client.test.js",)
 STOPPING_TESTS = ("stopping.test.js",)
 # The stop's grace before its SIGKILL (exec.kill_grace_ms): the stop handles frames while it

@@ -110,6 +110,19 @@ export class CallNotStarted extends Error {
   }
 }
 
+/**
+ * The supervisor's state was reset (`409 ack_floor_ahead`, docs/client-contract.md,
+ * "Recovering from ack_floor_ahead"): it forgot this call's key, so sending the call again
+ * would run it again, and whether the first attempt took effect is unknown. Check (read the
+ * file, list the processes), then call again with a new key if it must run.
+ */
+export class CallOutcomeUnknown extends Error {
+  constructor(readonly idempotencyKey: string | undefined) {
+    super("the supervisor's state was reset while the call was unanswered: its outcome is unknown");
+    this.name = "CallOutcomeUnknown";
+  }
+}
+
 /** The session stopped: reconnecting cannot help (the policy's reason). */
 export class SessionStopped extends Error {
   constructor(readonly why: string) {
@@ -396,6 +409,10 @@ export class SupervisorSession {
     if (decision.action === "reset_journal") {
       await this.options.store.resetJournal();
       this.acked = 0;
+      // The reset state remembers no key: a call already sent would run again if resent.
+      for (const call of new Set(this.calls.values())) {
+        if (call.callIds.size > 0) call.reject(new CallOutcomeUnknown(call.key));
+      }
     }
     await new Promise((resolve) => setTimeout(resolve, decision.delayMs));
   }

@@ -1,6 +1,7 @@
 // Tool results whose key another attempt decides, against a real daemon (its own, as the
 // last test stops it). After tool.pending, the result of another replica's first attempt
-// settles the call by its key. And supervisor_stopping: a command refused because the supervisor's stop
+// settles the call by its key; after ack_floor_ahead a call already sent is not sent again.
+// And supervisor_stopping: a command refused because the supervisor's stop
 // had begun is a CallNotStarted with its key free, and the same call with the same key runs
 // on the next supervisor. tests/test_typescript_client.py starts the daemon with a long
 // exec.kill_grace_ms (the stop's frames are still handled while it waits out the grace,
@@ -10,7 +11,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { CallNotStarted, MemoryStore, type ExecOutputEvent, type SupervisorSession } from "../src/index.js";
+import { CallNotStarted, CallOutcomeUnknown, MemoryStore, type ExecOutputEvent, type SupervisorSession } from "../src/index.js";
 import { daemon, FrameChecker, newSession, type Daemon } from "./support.js";
 
 const d = daemon();
@@ -68,6 +69,27 @@ test("after tool.pending, the result of another replica's attempt settles the ca
 function started(session: SupervisorSession): boolean {
   return [...(session.options.store as MemoryStore).events.values()].some((e) => e.kind === "exec.started");
 }
+
+test("ack_floor_ahead (a reset state): a call already sent is not sent again but rejected CallOutcomeUnknown", { skip }, async () => {
+  const store = sharedStore();
+  const decisions: string[] = [];
+  const session = await newSession(d as Daemon, (d as Daemon).tcp, store, { onDecision: (decision) => decisions.push(decision.action) });
+  try {
+    await session.start();
+    const running = session.call("execute_shell_command", { command: "sleep 1" }, { idempotencyKey: "ts-reset" });
+    await until("the command to start", () => started(session));
+    // A floor above everything the supervisor journaled, as after a reset of its state: the
+    // next upgrade is refused ack_floor_ahead.
+    await store.raiseFloor(1_000_000_000);
+    session.connection!.terminate();
+    await assert.rejects(running, (error: unknown) => error instanceof CallOutcomeUnknown && error.idempotencyKey === "ts-reset");
+    assert.ok(decisions.includes("reset_journal"), decisions.join());
+    await until("a new socket", () => session.connection?.state !== undefined && !session.connection.closed);
+    assert.equal(await store.ackFloor() < 1_000_000_000, true, "the journal was reset");
+  } finally {
+    await session.close();
+  }
+});
 
 test("supervisor_stopping frees the key: the call made again runs on the next supervisor", { skip }, async () => {
   const store = sharedStore();
