@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -94,6 +95,31 @@ def test_generated_types_name_every_frame_and_code() -> None:
     assert '  | "journal_full"' in text
     assert "result: ToolResultsByName[T]" in text  # `result` typed per tool
     assert "Kind1" not in text and "unknown;" not in text.split("interface ToolError {")[0]
+
+
+README = REPO / "README.md"
+# Written inside the package (dist/ is not committed) so that the example's import of the
+# package's own name resolves to the build, as it does in a project that installed it.
+README_EXAMPLE = CLIENT_DIR / "dist" / "readme" / "example.ts"
+README_TS_BLOCK = re.compile(r"^```ts\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def test_readme_example_compiles(built_client: Path) -> None:
+    section = README.read_text().split("## Clients\n", 1)[1].split("\n## ", 1)[0]
+    blocks = README_TS_BLOCK.findall(section)
+    assert len(blocks) == 1, "the README's Clients section has one TypeScript example"
+    assert '"@sandbox-supervisor/client"' in blocks[0]
+    README_EXAMPLE.parent.mkdir(parents=True, exist_ok=True)
+    README_EXAMPLE.write_text(blocks[0])
+    completed = subprocess.run(
+        [
+            str(CLIENT_DIR / "node_modules" / ".bin" / "tsc"), "--ignoreConfig", "--noEmit", "--strict", "--skipLibCheck",
+            "--target", "ES2022", "--module", "NodeNext", "--moduleResolution", "NodeNext", "--types", "node",
+            str(README_EXAMPLE),
+        ],
+        cwd=CLIENT_DIR, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
 async def _node_tests(directory: Path, files: tuple[str, ...], env: dict[str, str]) -> None:

@@ -532,6 +532,9 @@ export class SupervisorSession {
    * have been another replica's (it shares the session's keys, docs/client-contract.md,
    * "Generations"). Not an `idempotency_key_reused` refusal: that answers a call that used
    * the key with other parameters, and leaves the key to the call it already belongs to.
+   * The key alone cannot tell this session's key space from a delegated socket's, whose
+   * results this socket sees too (docs/protocol.md §8): with delegated sockets, keep their
+   * keys apart from the control plane's (docs/client-contract.md, "Matching replies").
    */
   private pendingByKey(body: ToolResultBody): PendingCall | undefined {
     if (body.idempotency_key === null) return undefined;
