@@ -88,6 +88,10 @@ interface PendingCall {
 // (`interrupted` too: the call was cut and is never run again) or is a refusal that a retry
 // would only repeat, and resolves the call's promise.
 export const KEY_FREEING_TOOL_ERRORS: ReadonlySet<string> = new Set(["supervisor_stopping", "too_many_processes", "resource_exhausted"]);
+// A command whose call_id an earlier command used: refused before it ran, and the key is
+// freed (the call_id belongs to the attempt, not to the call: docs/protocol.md §7.4.1 step 3,
+// §8). Told apart from the invalid_parameters that complete a key only by this sentence.
+export const CALL_ID_REUSED_MESSAGE = "This call_id was already used for a command.";
 // The error frame after which nothing was recorded for a tool.call (ack, then send again).
 export const KEY_FREEING_FRAME_ERRORS: ReadonlySet<string> = new Set(["journal_full"]);
 
@@ -97,6 +101,8 @@ export const KEY_FREEING_FRAME_ERRORS: ReadonlySet<string> = new Set(["journal_f
  * more on that socket, so the call made again goes to the next supervisor (after its restart).
  * `too_many_processes`, `resource_exhausted`: a shortage; try again later. `journal_full`:
  * too many unacknowledged events (the session acks what it stores); try again shortly.
+ * `invalid_parameters` CALL_ID_REUSED_MESSAGE: the `callId` option named an earlier
+ * command's call_id; call again without it (a fresh one).
  */
 export class CallNotStarted extends Error {
   constructor(
@@ -546,14 +552,17 @@ export class SupervisorSession {
 
   /** Resolve a call with its result, or reject it CallNotStarted when its key is free. */
   private settle(call: PendingCall, body: ToolResultBody, connection: ControlConnection | undefined): void {
-    if (body.ok || !KEY_FREEING_TOOL_ERRORS.has(body.error.code)) {
+    const freed =
+      !body.ok &&
+      (KEY_FREEING_TOOL_ERRORS.has(body.error.code) || (body.error.code === "invalid_parameters" && body.error.message === CALL_ID_REUSED_MESSAGE));
+    if (!freed) {
       call.resolve(body);
       return;
     }
     // supervisor_stopping: this supervisor is going away; whatever is sent next goes to the
     // next one (its socket is closed 1001 and the session reconnects as for any 1001).
-    if (body.error.code === "supervisor_stopping") this.stopping = connection;
-    call.reject(new CallNotStarted(body.error.code, call.key, body));
+    if (!body.ok && body.error.code === "supervisor_stopping") this.stopping = connection;
+    call.reject(new CallNotStarted(body.error.code, call.key, body as ToolResultFailure));
   }
 
   private async ack(): Promise<void> {

@@ -8,6 +8,7 @@ import { join } from "node:path";
 import { after, before, test } from "node:test";
 
 import {
+  CallNotStarted,
   FrameRefused,
   MemoryStore,
   StdinGap,
@@ -108,6 +109,17 @@ test("pending and replayed resolve into the one promise of their key", { skip },
   assert.deepEqual(replayed, result);
   assert.ok(checker.kinds.has("tool.replayed"));
   assert.equal(readFileSync(ran, "utf8"), "once\n", "the command ran once");
+});
+
+test("a command with an earlier command's call_id: CallNotStarted, and the key runs with a fresh call_id", { skip }, async () => {
+  const earlier = await session.call("execute_shell_command", { command: "true" }, { idempotencyKey: "ts-callid-1" });
+  const reused = { command: "echo fresh" };
+  await assert.rejects(
+    session.call("execute_shell_command", reused, { idempotencyKey: "ts-callid-2", callId: earlier.call_id }),
+    (error: unknown) => error instanceof CallNotStarted && error.code === "invalid_parameters" && error.idempotencyKey === "ts-callid-2",
+  );
+  const fresh = await session.call("execute_shell_command", reused, { idempotencyKey: "ts-callid-2" });
+  assert.equal(fresh.ok && fresh.result.stdout.head, "fresh\n", "the key was free: the call ran");
 });
 
 test("a reconnect resumes from the ack floor: every event once, none lost", { skip }, async () => {
