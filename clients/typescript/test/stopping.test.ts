@@ -43,7 +43,9 @@ test("after tool.pending, the result of another replica's attempt settles the ca
   try {
     await first.start();
     const callIds = new Set<string>();
-    const command = { command: "sleep 1; echo by-the-first" };
+    // Long enough for the second replica to connect and send its call while it runs, on a
+    // loaded machine too.
+    const command = { command: "sleep 3; echo by-the-first" };
     const running = first.call("execute_shell_command", command, { idempotencyKey: "ts-replica" });
     running.catch(() => undefined); // the first replica is superseded: its promise rejects
     await until("the first attempt to start", () => started(first));
@@ -76,7 +78,8 @@ test("ack_floor_ahead (a reset state): a call already sent is not sent again but
   const session = await newSession(d as Daemon, (d as Daemon).tcp, store, { onDecision: (decision) => decisions.push(decision.action) });
   try {
     await session.start();
-    const running = session.call("execute_shell_command", { command: "sleep 1" }, { idempotencyKey: "ts-reset" });
+    // Still running when the socket drops (the stop of the last test ends it).
+    const running = session.call("execute_shell_command", { command: "sleep 30" }, { idempotencyKey: "ts-reset" });
     await until("the command to start", () => started(session));
     // A floor above everything the supervisor journaled, as after a reset of its state: the
     // next upgrade is refused ack_floor_ahead.
