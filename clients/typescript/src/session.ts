@@ -230,7 +230,8 @@ export class SupervisorSession {
    * key in flight returns the same one. A lost socket re-sends the call on the next one with
    * a new call_id and the same key, which the supervisor answers without running it twice
    * (§8). Rejects with CallNotStarted when nothing ran and the key is free
-   * (`supervisor_stopping`, `too_many_processes`, `resource_exhausted`, `journal_full`).
+   * (`supervisor_stopping`, `too_many_processes`, `resource_exhausted`, `journal_full`, an
+   * earlier command's `callId`).
    */
   call<N extends ToolName>(tool: N, parameters: ToolParametersByName[N], options: CallOptions = {}): Promise<CallResult<N>> {
     const key = options.idempotencyKey;
@@ -454,14 +455,14 @@ export class SupervisorSession {
       ws,
       generation,
       {
-        onEvent: (event) => this.onEvent(event),
+        onEvent: (event) => this.onEvent(event, connection),
         onPending: (body) => {
           const call = this.byCallId.get(body.call_id);
           if (call) call.pending = true;
         },
         onReplayed: (body) => {
           const call = this.byCallId.get(body.call_id);
-          if (call) this.settle(call, body.original.body, connection);
+          if (call) this.settle(call, body.original.body, undefined); // a stored result: not live
         },
         onError: (body) => this.onErrorFrame(connection, body),
         ownsCall: (callId) => this.byCallId.has(callId),
@@ -518,13 +519,16 @@ export class SupervisorSession {
 
   // --- events, results and acks ------------------------------------------------------------
 
-  private onEvent(event: EventFrame): void {
+  private onEvent(event: EventFrame, connection: ControlConnection): void {
     // Stored in order, one after the other; the ack follows what the store made durable.
     this.storing = this.storing.then(async () => {
       await this.options.store.putEvent(event);
       if (event.kind === "tool.result") {
         const call = this.byCallId.get(event.body.call_id) ?? this.pendingByKey(event.body);
-        if (call) this.settle(call, event.body, this.connection);
+        // Journaled after this socket attached (above runtime.state's localEventMax): sent
+        // live by the supervisor at the other end, not replayed from an earlier one.
+        const live = connection.state !== undefined && event.seq > connection.state.localEventMax;
+        if (call) this.settle(call, event.body, live ? connection : undefined);
       }
       this.options.onEvent?.(event);
       for (const listener of [...this.listeners]) listener(event);
@@ -550,8 +554,9 @@ export class SupervisorSession {
     return call;
   }
 
-  /** Resolve a call with its result, or reject it CallNotStarted when its key is free. */
-  private settle(call: PendingCall, body: ToolResultBody, connection: ControlConnection | undefined): void {
+  /** Resolve a call with its result, or reject it CallNotStarted when its key is free.
+   * `live`: the socket that sent the result live (undefined for a replayed one). */
+  private settle(call: PendingCall, body: ToolResultBody, live: ControlConnection | undefined): void {
     const freed =
       !body.ok &&
       (KEY_FREEING_TOOL_ERRORS.has(body.error.code) || (body.error.code === "invalid_parameters" && body.error.message === CALL_ID_REUSED_MESSAGE));
@@ -559,9 +564,10 @@ export class SupervisorSession {
       call.resolve(body);
       return;
     }
-    // supervisor_stopping: this supervisor is going away; whatever is sent next goes to the
-    // next one (its socket is closed 1001 and the session reconnects as for any 1001).
-    if (!body.ok && body.error.code === "supervisor_stopping") this.stopping = connection;
+    // supervisor_stopping sent live: this socket's supervisor is going away; whatever is sent
+    // next goes to the next one (this socket is closed 1001, and the session reconnects as
+    // for any 1001). A replayed one was the stop of an earlier supervisor: this one serves.
+    if (!body.ok && body.error.code === "supervisor_stopping" && live !== undefined) this.stopping = live;
     call.reject(new CallNotStarted(body.error.code, call.key, body as ToolResultFailure));
   }
 
