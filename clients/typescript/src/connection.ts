@@ -1,12 +1,16 @@
 // One control socket after its 101: the bootstrap, the frames both ways, and the matching of
 // exec.* replies to their requests (docs/protocol.md §5, §6).
 //
-// Replies to exec.* frames come in the order of the requests: the supervisor handles a
-// socket's exec frames one after the other and queues their replies in that order (§9,
-// "Delivery"). exec.signal and exec.resize are answered only when they fail, so a request
-// that gets no reply is confirmed by the reply to a later request; `barrier()` sends an
-// exec.list for that. A reply is matched by its `request_id` when it carries one, else by
-// what it echoes: (call_id, stream, offset) for a page, (call_id, offset) for a stdin ack,
+// Every exec.* frame carries a `request_id` this connection chooses ("r1", "r2", …), and
+// whatever answers it echoes the id (docs/protocol.md §6.3, §6.5): a reply is matched to its
+// request by that id, so two reads of one call_id in flight (stdout and stderr, say) each get
+// their own page, and an `unknown_call` error goes to the read it answers. Replies also come
+// in the order of the requests (the supervisor handles a socket's exec frames one after the
+// other, docs/client-contract.md "Matching replies to requests"). exec.signal and
+// exec.resize are answered only when they fail, so a request that gets no reply is confirmed
+// by the reply to a later request; `barrier()` sends an exec.list for that. With request ids
+// turned off (`sendRequestIds = false`, a supervisor older than the field) a reply is matched
+// by what it echoes: (call_id, stream, offset) for a page, (call_id, offset) for a stdin ack,
 // the oldest exec.list for exec.processes, the oldest request for its call_id for an error.
 
 import type WebSocket from "ws";
@@ -115,8 +119,9 @@ export class ControlConnection {
     private readonly ws: WebSocket,
     readonly generation: number,
     private readonly handlers: ConnectionHandlers,
-    /** Send a client-chosen request_id on exec.* frames (a protocol that echoes it). */
-    private readonly sendRequestIds = false,
+    /** Send a client-chosen request_id on exec.* frames (protocol.md §6.3); off only for a
+     * supervisor older than the field, which refuses it as an unknown member. */
+    private readonly sendRequestIds = true,
   ) {
     ws.on("message", (data: Buffer, isBinary: boolean) => this.receive(data, isBinary));
     ws.on("close", (code: number, reason: Buffer) => this.onClosed(code, reason.toString("utf8")));

@@ -1,5 +1,8 @@
 // What a client does after each close code and each HTTP refusal (docs/protocol.md §2.2,
 // §4.4, docs/codes.md). Pure functions: no socket, no clock; tests call them directly.
+// docs/client-contract.md's tables name the same action for every row (test/contract.test.ts
+// reads them): its "reconnect" and "back off" are a reconnect here, its "fix" and "stop" a
+// stop (this client cannot correct its own request), "reset the journal" reset_journal.
 //
 // Every reconnect is a new attempt: a new attempt id, a new assertion, and the next
 // generation from the store (docs/protocol.md §4.1), with the ack header at the store's
@@ -55,8 +58,10 @@ export function decideClose(code: number, reason: string, attempt: number, optio
       return { action: "stop", why: "a binary message was sent (a client bug)" };
     case CloseCode.POLICY_VIOLATION:
       if (reason === CloseReason.SUPERSEDED) {
-        // Another attempt holds a higher generation: another replica of the control plane,
-        // or a newer connect of this one. Fighting back would supersede it in turn.
+        // Another attempt holds a higher generation: another replica of the control plane.
+        // (A newer attempt of this session itself closes only a socket it has already
+        // replaced, whose close the session ignores.) Fighting back would supersede it in
+        // turn; a replica that still holds the session's lease connects again itself.
         return { action: "stop", why: "superseded by a newer connection attempt" };
       }
       if (reason === CloseReason.BIND_FORBIDDEN) {
@@ -64,6 +69,7 @@ export function decideClose(code: number, reason: string, attempt: number, optio
       }
       return { action: "stop", why: `the bootstrap does not match the upgrade (${reason})` };
     case CloseCode.MESSAGE_TOO_BIG:
+      // A reconnect would resend the unanswered tool.calls, the oversized one among them.
       return { action: "stop", why: "a frame was larger than websocket.max_message_bytes (a client bug)" };
     case CloseCode.INTERNAL_ERROR:
       if (reason === CloseReason.RECEIPT_NOT_OBSERVED) {

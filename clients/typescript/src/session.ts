@@ -47,7 +47,8 @@ export interface SessionOptions {
   store: SessionStore;
   path?: string;
   backoff?: BackoffOptions;
-  /** Send request_id on exec.* frames (only to a supervisor whose protocol echoes it). */
+  /** Send a request_id on every exec.* frame and match its answer by it (default true;
+   * false only for a supervisor older than the field, which refuses it, docs/protocol.md §6.3). */
   requestIds?: boolean;
   /** Every journaled event (and event.withheld), once, in seq order, after it is stored. */
   onEvent?: (event: EventFrame) => void;
@@ -79,6 +80,53 @@ interface PendingCall {
   resolve(body: ToolResultBody): void;
   reject(error: Error): void;
   promise: Promise<ToolResultBody>;
+}
+
+// The answers after which nothing ran and the call's idempotency key is FREE: the same call
+// sent again with the same key runs as a new call (docs/client-contract.md, "Tool results:
+// may the key be sent again"; docs/protocol.md §8). Every other tool.result completes its key
+// (`interrupted` too: the call was cut and is never run again) or is a refusal that a retry
+// would only repeat, and resolves the call's promise.
+export const KEY_FREEING_TOOL_ERRORS: ReadonlySet<string> = new Set(["supervisor_stopping", "too_many_processes", "resource_exhausted"]);
+// A command whose call_id an earlier command used: refused before it ran, and the key is
+// freed (the call_id belongs to the attempt, not to the call: docs/protocol.md §7.4.1 step 3,
+// §8). Told apart from the invalid_parameters that complete a key only by this sentence.
+export const CALL_ID_REUSED_MESSAGE = "This call_id was already used for a command.";
+// The error frame after which nothing was recorded for a tool.call (ack, then send again).
+export const KEY_FREEING_FRAME_ERRORS: ReadonlySet<string> = new Set(["journal_full"]);
+
+/**
+ * The call was not run and its idempotency key is free: call again with the same key.
+ * `supervisor_stopping`: the supervisor's stop had begun; the session does not send anything
+ * more on that socket, so the call made again goes to the next supervisor (after its restart).
+ * `too_many_processes`, `resource_exhausted`: a shortage; try again later. `journal_full`:
+ * too many unacknowledged events (the session acks what it stores); try again shortly.
+ * `invalid_parameters` CALL_ID_REUSED_MESSAGE: the `callId` option named an earlier
+ * command's call_id; call again without it (a fresh one).
+ */
+export class CallNotStarted extends Error {
+  constructor(
+    readonly code: string,
+    readonly idempotencyKey: string | undefined,
+    /** The tool.result body (a tool error) or the error frame's body (journal_full). */
+    readonly body: ToolResultFailure | ErrorBody,
+  ) {
+    super(`the call was not started (${code}); its key is free: send it again with the same key`);
+    this.name = "CallNotStarted";
+  }
+}
+
+/**
+ * The supervisor's state was reset (`409 ack_floor_ahead`, docs/client-contract.md,
+ * "Recovering from ack_floor_ahead"): it forgot this call's key, so sending the call again
+ * would run it again, and whether the first attempt took effect is unknown. Check (read the
+ * file, list the processes), then call again with a new key if it must run.
+ */
+export class CallOutcomeUnknown extends Error {
+  constructor(readonly idempotencyKey: string | undefined) {
+    super("the supervisor's state was reset while the call was unanswered: its outcome is unknown");
+    this.name = "CallOutcomeUnknown";
+  }
 }
 
 /** The session stopped: reconnecting cannot help (the policy's reason). */
@@ -132,6 +180,9 @@ export class SupervisorSession {
   private readonly listeners = new Set<(event: EventFrame) => void>();
   private storing: Promise<void> = Promise.resolve();
   private closing = false;
+  // The socket whose supervisor answered supervisor_stopping: its stop has begun, so nothing
+  // more is sent on it; the next call waits for a socket to the next supervisor.
+  private stopping: ControlConnection | undefined;
 
   constructor(readonly options: SessionOptions) {}
 
@@ -144,7 +195,8 @@ export class SupervisorSession {
   /** The open, bootstrapped socket; connects when there is none. */
   connected(): Promise<ControlConnection> {
     if (this.stopped !== undefined) return Promise.reject(new SessionStopped(this.stopped));
-    if (this.connection && !this.connection.closed && this.connection.state) return Promise.resolve(this.connection);
+    const current = this.connection;
+    if (current && !current.closed && current.state && current !== this.stopping) return Promise.resolve(current);
     this.connecting ??= this.connectLoop().finally(() => (this.connecting = undefined));
     return this.connecting;
   }
@@ -172,10 +224,14 @@ export class SupervisorSession {
   /**
    * Run a tool call; resolves with its tool.result body, however the supervisor answers:
    * the tool.result itself, tool.replayed (its original's body), or tool.pending (then the
-   * tool.result of the first attempt, which carries one of this session's call_ids). One
-   * promise per idempotency key: calling again with a key in flight returns the same one.
-   * A lost socket re-sends the call on the next one with a new call_id and the same key,
-   * which the supervisor answers without running it twice (§8).
+   * tool.result of the first attempt: it carries the first attempt's call_id, which is
+   * another replica's when another replica made it, so after a tool.pending the result is
+   * matched by its idempotency key). One promise per idempotency key: calling again with a
+   * key in flight returns the same one. A lost socket re-sends the call on the next one with
+   * a new call_id and the same key, which the supervisor answers without running it twice
+   * (§8). Rejects with CallNotStarted when nothing ran and the key is free
+   * (`supervisor_stopping`, `too_many_processes`, `resource_exhausted`, `journal_full`, an
+   * earlier command's `callId`).
    */
   call<N extends ToolName>(tool: N, parameters: ToolParametersByName[N], options: CallOptions = {}): Promise<CallResult<N>> {
     const key = options.idempotencyKey;
@@ -360,6 +416,10 @@ export class SupervisorSession {
     if (decision.action === "reset_journal") {
       await this.options.store.resetJournal();
       this.acked = 0;
+      // The reset state remembers no key: a call already sent would run again if resent.
+      for (const call of new Set(this.calls.values())) {
+        if (call.callIds.size > 0) call.reject(new CallOutcomeUnknown(call.key));
+      }
     }
     await new Promise((resolve) => setTimeout(resolve, decision.delayMs));
   }
@@ -395,19 +455,22 @@ export class SupervisorSession {
       ws,
       generation,
       {
-        onEvent: (event) => this.onEvent(event),
+        onEvent: (event) => this.onEvent(event, connection),
         onPending: (body) => {
           const call = this.byCallId.get(body.call_id);
           if (call) call.pending = true;
         },
-        onReplayed: (body) => this.byCallId.get(body.call_id)?.resolve(body.original.body),
+        onReplayed: (body) => {
+          const call = this.byCallId.get(body.call_id);
+          if (call) this.settle(call, body.original.body, undefined); // a stored result: not live
+        },
         onError: (body) => this.onErrorFrame(connection, body),
         ownsCall: (callId) => this.byCallId.has(callId),
         onFrame: (frame, binary) => this.options.onFrame?.(frame, binary),
         onProtocolViolation: (detail) => this.options.onError?.({ code: "invalid_frame", message: detail }),
         onClose: (code, reason) => this.onClose(connection, code, reason),
       },
-      this.options.requestIds ?? false,
+      this.options.requestIds ?? true,
     );
     this.connection = connection;
     this.acked = Math.max(this.acked, ackFloor);
@@ -456,15 +519,56 @@ export class SupervisorSession {
 
   // --- events, results and acks ------------------------------------------------------------
 
-  private onEvent(event: EventFrame): void {
+  private onEvent(event: EventFrame, connection: ControlConnection): void {
     // Stored in order, one after the other; the ack follows what the store made durable.
     this.storing = this.storing.then(async () => {
       await this.options.store.putEvent(event);
-      if (event.kind === "tool.result") this.byCallId.get(event.body.call_id)?.resolve(event.body);
+      if (event.kind === "tool.result") {
+        const call = this.byCallId.get(event.body.call_id) ?? this.pendingByKey(event.body);
+        // Journaled after this socket attached (above runtime.state's localEventMax): sent
+        // live by the supervisor at the other end, not replayed from an earlier one.
+        const live = connection.state !== undefined && event.seq > connection.state.localEventMax;
+        if (call) this.settle(call, event.body, live ? connection : undefined);
+      }
       this.options.onEvent?.(event);
       for (const listener of [...this.listeners]) listener(event);
       await this.ack();
     });
+  }
+
+  /**
+   * The call a tool.result answers when it carries none of this session's call_ids: after a
+   * tool.pending, the one result of the key is the first attempt's, and the first attempt may
+   * have been another replica's (it shares the session's keys, docs/client-contract.md,
+   * "Generations"). Not an `idempotency_key_reused` refusal: that answers a call that used
+   * the key with other parameters, and leaves the key to the call it already belongs to.
+   * The key alone cannot tell this session's key space from a delegated socket's, whose
+   * results this socket sees too (docs/protocol.md §8): with delegated sockets, keep their
+   * keys apart from the control plane's (docs/client-contract.md, "Matching replies").
+   */
+  private pendingByKey(body: ToolResultBody): PendingCall | undefined {
+    if (body.idempotency_key === null) return undefined;
+    const call = this.calls.get(body.idempotency_key);
+    if (!call || !call.pending || call.key !== body.idempotency_key) return undefined;
+    if (!body.ok && body.error.code === "idempotency_key_reused") return undefined;
+    return call;
+  }
+
+  /** Resolve a call with its result, or reject it CallNotStarted when its key is free.
+   * `live`: the socket that sent the result live (undefined for a replayed one). */
+  private settle(call: PendingCall, body: ToolResultBody, live: ControlConnection | undefined): void {
+    const freed =
+      !body.ok &&
+      (KEY_FREEING_TOOL_ERRORS.has(body.error.code) || (body.error.code === "invalid_parameters" && body.error.message === CALL_ID_REUSED_MESSAGE));
+    if (!freed) {
+      call.resolve(body);
+      return;
+    }
+    // supervisor_stopping sent live: this socket's supervisor is going away; whatever is sent
+    // next goes to the next one (this socket is closed 1001, and the session reconnects as
+    // for any 1001). A replayed one was the stop of an earlier supervisor: this one serves.
+    if (!body.ok && body.error.code === "supervisor_stopping" && live !== undefined) this.stopping = live;
+    call.reject(new CallNotStarted(body.error.code, call.key, body as ToolResultFailure));
   }
 
   private async ack(): Promise<void> {
@@ -486,9 +590,10 @@ export class SupervisorSession {
     }
     const call = body.call_id ? this.byCallId.get(body.call_id) : undefined;
     if (call) {
-      // journal_full (ack, then send again), internal (the message says whether to retry with
-      // the same key): the caller decides; nothing was recorded for journal_full.
-      call.reject(new FrameRefused(body));
+      // journal_full: nothing was recorded, the key is free (ack, then send again; the session
+      // acks what it stores). internal: the message says whether a retry with the same key is
+      // safe; the caller decides.
+      call.reject(KEY_FREEING_FRAME_ERRORS.has(body.code) ? new CallNotStarted(body.code, call.key, body) : new FrameRefused(body));
       return;
     }
     this.options.onError?.(body);

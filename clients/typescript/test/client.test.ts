@@ -8,6 +8,7 @@ import { join } from "node:path";
 import { after, before, test } from "node:test";
 
 import {
+  CallNotStarted,
   FrameRefused,
   MemoryStore,
   StdinGap,
@@ -110,6 +111,17 @@ test("pending and replayed resolve into the one promise of their key", { skip },
   assert.equal(readFileSync(ran, "utf8"), "once\n", "the command ran once");
 });
 
+test("a command with an earlier command's call_id: CallNotStarted, and the key runs with a fresh call_id", { skip }, async () => {
+  const earlier = await session.call("execute_shell_command", { command: "true" }, { idempotencyKey: "ts-callid-1" });
+  const reused = { command: "echo fresh" };
+  await assert.rejects(
+    session.call("execute_shell_command", reused, { idempotencyKey: "ts-callid-2", callId: earlier.call_id }),
+    (error: unknown) => error instanceof CallNotStarted && error.code === "invalid_parameters" && error.idempotencyKey === "ts-callid-2",
+  );
+  const fresh = await session.call("execute_shell_command", reused, { idempotencyKey: "ts-callid-2" });
+  assert.equal(fresh.ok && fresh.result.stdout.head, "fresh\n", "the key was free: the call ran");
+});
+
 test("a reconnect resumes from the ack floor: every event once, none lost", { skip }, async () => {
   const result = await session.call("execute_shell_command", { command: "echo one; echo two" }, { idempotencyKey: "ts-ack" });
   assert.equal(result.ok, true);
@@ -150,6 +162,46 @@ test("output pages: JSON and binary, several pages, the same bytes", { skip }, a
   await assert.rejects(session.readAll(randomUUID(), "stdout"), (error: unknown) => error instanceof FrameRefused && error.code === "unknown_call");
 });
 
+test("reads of stdout, stderr and an unknown call in flight at once: each answer by its request_id", { skip }, async () => {
+  const result = await session.call("execute_shell_command", { command: "echo out; echo err >&2" }, { idempotencyKey: "ts-rid" });
+  assert.equal(result.ok, true);
+  const connection = session.connection!;
+  // What went out and what came back, by request id: the answer to each request echoes its id.
+  const sent = new Map<string, string>(); // request_id -> "stream call_id"
+  const send = connection.send.bind(connection);
+  connection.send = ((kind: string, body: Record<string, unknown>) => {
+    if (kind === "exec.read_output") sent.set(String(body.request_id), `${String(body.stream)} ${String(body.call_id)}`);
+    send(kind as never, body as never);
+  }) as typeof connection.send;
+  const answered = new Map<string, string>(); // request_id -> what answered it
+  const previous = session.options.onFrame;
+  session.options.onFrame = (frame, binary) => {
+    previous?.(frame, binary);
+    const { kind, body } = frame as { kind: string; body: { request_id?: string; stream?: string; code?: string; call_id?: string } };
+    if (body.request_id !== undefined) answered.set(body.request_id, kind === "error" ? `${body.code} ${body.call_id}` : `${body.stream} ${body.call_id}`);
+  };
+  const unknown = randomUUID();
+  try {
+    const [stdout, stderr, missing] = await Promise.allSettled([
+      connection.readOutput(result.call_id, "stdout", 0, 1024, false),
+      connection.readOutput(result.call_id, "stderr", 0, 1024, true),
+      connection.readOutput(unknown, "stderr", 0, 1024, false),
+    ]);
+    assert.equal(stdout.status === "fulfilled" && Buffer.from(stdout.value.data).toString(), "out\n");
+    assert.equal(stderr.status === "fulfilled" && Buffer.from(stderr.value.data).toString(), "err\n");
+    assert.ok(missing.status === "rejected" && missing.reason instanceof FrameRefused && missing.reason.code === "unknown_call");
+    // Three distinct ids went out, and each came back on the answer to its own request.
+    assert.equal(sent.size, 3);
+    for (const [id, request] of sent) {
+      const [stream, callId] = request.split(" ");
+      assert.equal(answered.get(id), callId === unknown ? `unknown_call ${unknown}` : `${stream} ${callId}`, id);
+    }
+  } finally {
+    connection.send = send;
+    session.options.onFrame = previous;
+  }
+});
+
 test("a process on a PTY: stdin by offsets, never twice, resize, list, signal", { skip }, async () => {
   const { callId, result } = await session.startProcess(
     { command: "stty -echo; echo READY; cat", pty: { rows: 24, cols: 80 } },
@@ -164,8 +216,9 @@ test("a process on a PTY: stdin by offsets, never twice, resize, list, signal", 
   // Overlapping and going further: only what is new is written.
   assert.equal(await session.writeStdin(callId, Buffer.from("hello\nworld\n"), 0), 12);
   // A gap: nothing written, the ack says where stdin stands.
-  const gap = await session.connection!.writeStdin(callId, 100, Buffer.from("zzz"));
+  const { request_id: echoed, ...gap } = await session.connection!.writeStdin(callId, 100, Buffer.from("zzz"));
   assert.deepEqual(gap, { call_id: callId, offset: 100, next_offset: 12, closed: false });
+  assert.match(String(echoed), /^r\d+$/, "the ack echoes the write's request_id");
   await assert.rejects(session.writeStdin(callId, Buffer.from("zzz"), 100), (error: unknown) => error instanceof StdinGap && error.nextOffset === 12);
   await until("world", () => outputText(callId).includes("world"));
   const text = outputText(callId);
