@@ -165,7 +165,8 @@ export class IdempotencyKeyReused extends Error {
   }
 }
 
-/** An onEvent callback or an event listener threw. The event was stored and is acked: the
+/** An onEvent callback or an event listener threw (or onStopped, called when the store
+ * failed during an event). The event was stored and is acked: the
  * handler's failure is the application's, and the session goes on with the next event. */
 export class EventHandlerFailed extends Error {
   constructor(readonly event: EventFrame, cause: unknown) {
@@ -621,7 +622,11 @@ export class SupervisorSession {
     // Stored in order, one after the other; the ack follows what the store made durable.
     // handleEvent never rejects: a rejected chain would be an unhandled rejection (Node
     // exits on it) and would store and ack nothing after it.
-    this.storing = this.storing.then(() => this.handleEvent(event, connection));
+    // The last catch is for the one user callback handleEvent does not guard itself
+    // (onStopped, called when the store fails).
+    this.storing = this.storing
+      .then(() => this.handleEvent(event, connection))
+      .catch((error: unknown) => this.report(new EventHandlerFailed(event, error)));
   }
 
   private async handleEvent(event: EventFrame, connection: ControlConnection): Promise<void> {
@@ -658,6 +663,7 @@ export class SupervisorSession {
     this.report(failure);
     this.stop(failure.message, failure);
     connection.close();
+    if (this.connection !== connection) this.connection?.close();
   }
 
   private report(failure: EventHandlerFailed | StoreFailed): void {
