@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from sandbox_supervisor.daemon.config import WebSocketConfig
 from sandbox_supervisor.protocol import typescript_export
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.daemon import DaemonProcess, make_layout, running_daemon
@@ -34,7 +35,7 @@ BUILD_TIMEOUT_S = 120
 NODE_TESTS_TIMEOUT_S = 120
 NODE_TEST_TIMEOUT_MS = 30_000
 DAEMON_POLL_S = 0.02  # how often the stopping test looks whether the daemon's run has exited  # one node test; a hang fails it with its name, not the whole run
-UNIT_TESTS = ("policy.test.js", "contract.test.js", "store.test.js", "schemas.test.js")
+UNIT_TESTS = ("policy.test.js", "contract.test.js", "store.test.js", "schemas.test.js", "session.test.js")
 DAEMON_TESTS = ("client.test.js",)
 STOPPING_TESTS = ("stopping.test.js",)
 # The stop's grace before its SIGKILL (exec.kill_grace_ms): the stop handles frames while it
@@ -95,6 +96,15 @@ def test_generated_types_name_every_frame_and_code() -> None:
     assert '  | "journal_full"' in text
     assert "result: ToolResultsByName[T]" in text  # `result` typed per tool
     assert "Kind1" not in text and "unknown;" not in text.split("interface ToolError {")[0]
+
+
+def test_exported_message_limit_is_the_daemons_default() -> None:
+    """The client refuses frames over DEFAULT_MAX_MESSAGE_BYTES before sending them: it must be
+    the daemon's websocket.max_message_bytes default, or the client would either send frames
+    that close the socket 1009 or refuse frames the daemon takes."""
+    default = WebSocketConfig.model_fields["max_message_bytes"].default
+    assert typescript_export.DEFAULT_MAX_MESSAGE_BYTES == default
+    assert f"export const DEFAULT_MAX_MESSAGE_BYTES = {default};" in typescript_export.render()
 
 
 README = REPO / "README.md"

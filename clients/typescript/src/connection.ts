@@ -19,6 +19,7 @@ import {
   BINARY_PAGE_HEADER_LENGTH_BYTES,
   CloseCode,
   CloseReason,
+  DEFAULT_MAX_MESSAGE_BYTES,
   type BootstrapBody,
   type ClientFrameByKind,
   type ClientKind,
@@ -66,6 +67,20 @@ export class ConnectionClosed extends Error {
   constructor(readonly code: number, readonly reason: string) {
     super(`connection closed: ${code} ${reason}`);
     this.name = "ConnectionClosed";
+  }
+}
+
+/**
+ * The frame is larger than the supervisor takes (`websocket.max_message_bytes`, UTF-8 bytes,
+ * docs/protocol.md §1.4): it was not sent. Sent, it would close the socket 1009 and cost the
+ * session (a reconnect would resend it); refused here, it costs only this request. Keep a
+ * command or an `apply_file_patch`'s patch below the limit.
+ */
+export class FrameTooLarge extends Error {
+  readonly code = "frame_too_large";
+  constructor(readonly kind: string, readonly bytes: number, readonly limit: number) {
+    super(`a ${kind} frame of ${bytes} bytes is over the supervisor's limit of ${limit} bytes: not sent`);
+    this.name = "FrameTooLarge";
   }
 }
 
@@ -122,15 +137,22 @@ export class ControlConnection {
     /** Send a client-chosen request_id on exec.* frames (protocol.md §6.3); off only for a
      * supervisor older than the field, which refuses it as an unknown member. */
     private readonly sendRequestIds = true,
+    /** The supervisor's websocket.max_message_bytes: larger frames are refused here. */
+    readonly maxMessageBytes: number = DEFAULT_MAX_MESSAGE_BYTES,
   ) {
     ws.on("message", (data: Buffer, isBinary: boolean) => this.receive(data, isBinary));
     ws.on("close", (code: number, reason: Buffer) => this.onClosed(code, reason.toString("utf8")));
     ws.on("error", () => undefined); // reported through "close"
   }
 
+  /** Throws ConnectionClosed, or FrameTooLarge (nothing sent, the socket stays). */
   send<K extends ClientKind>(kind: K, body: ClientFrameByKind[K]["body"]): void {
     if (this.closed) throw new ConnectionClosed(this.closed.code, this.closed.reason);
-    this.ws.send(JSON.stringify({ kind, connectionGeneration: this.generation, body }));
+    const text = JSON.stringify({ kind, connectionGeneration: this.generation, body });
+    // The supervisor counts UTF-8 bytes (never fewer than the characters it also checks).
+    const bytes = Buffer.byteLength(text, "utf8");
+    if (bytes > this.maxMessageBytes) throw new FrameTooLarge(kind, bytes, this.maxMessageBytes);
+    this.ws.send(text);
   }
 
   /** Send session.bootstrap; resolve with runtime.state, or close 4400 and throw
@@ -142,7 +164,12 @@ export class ControlConnection {
         resolve: (state) => (clearTimeout(timer), resolve(state)),
         reject: (error) => (clearTimeout(timer), reject(error)),
       };
-      this.send("session.bootstrap", body);
+      try {
+        this.send("session.bootstrap", body);
+      } catch (error) {
+        this.bootstrapWaiter.reject(error as Error);
+        this.bootstrapWaiter = undefined;
+      }
     });
   }
 

@@ -86,13 +86,17 @@ export function decideClose(code: number, reason: string, attempt: number, optio
 }
 
 /** After the upgrade was answered `status` with `error` `code` (undefined: not a refusal
- * body, a proxy's answer say), `retryAfterS` from its Retry-After header. */
+ * body, a proxy's answer say), `retryAfterS` from its Retry-After header. `attempt` counts the
+ * failures of any kind in a row (it sets the backoff); `authorityRefusals` counts only the
+ * `invalid_authority` refusals before this one since the last attached socket: a few
+ * `draining` refusals during a restart must not use up the assertion's tries. */
 export function decideRefusal(
   status: number,
   code: HttpRefusalCode | string | undefined,
   retryAfterS: number | undefined,
   attempt: number,
   options: BackoffOptions = DEFAULT_BACKOFF,
+  authorityRefusals = 0,
 ): Decision {
   const retry = (why: string): Decision => ({ action: "reconnect", delayMs: backoff(attempt, options), why });
   switch (code) {
@@ -112,7 +116,7 @@ export function decideRefusal(
       };
     case "invalid_authority":
       // A fresh assertion (a new jti) each try; past a few, the key or the clock is wrong.
-      if (attempt < MAX_AUTHORITY_RETRIES) return retry("the assertion was refused; trying a fresh one");
+      if (authorityRefusals < MAX_AUTHORITY_RETRIES) return retry("the assertion was refused; trying a fresh one");
       return { action: "stop", why: "the assertion keeps being refused (key, issuer, audience or clock)" };
     case "ack_floor_ahead":
       return { action: "reset_journal", delayMs: 0, why: "the supervisor's journal is behind the client's floor (its state was reset)" };

@@ -10,6 +10,7 @@ import {
   ConnectionClosed,
   ControlConnection,
   FrameRefused,
+  FrameTooLarge,
   RequestTimeout,
   type OutputPage,
 } from "./connection.js";
@@ -50,8 +51,19 @@ export interface SessionOptions {
   /** Send a request_id on every exec.* frame and match its answer by it (default true;
    * false only for a supervisor older than the field, which refuses it, docs/protocol.md §6.3). */
   requestIds?: boolean;
-  /** Every journaled event (and event.withheld), once, in seq order, after it is stored. */
+  /** The supervisor's websocket.max_message_bytes, when it is not the default: a frame
+   * larger than this is refused locally with FrameTooLarge instead of costing the socket. */
+  maxMessageBytes?: number;
+  /** How long to wait for runtime.state after the 101; then the socket is dropped and the
+   * attempt counts as a failed connect (backoff, retry). */
+  bootstrapTimeoutMs?: number;
+  /** Every journaled event (and event.withheld), once, in seq order, after it is stored.
+   * A throw here is reported to onFailure (EventHandlerFailed); the session goes on. */
   onEvent?: (event: EventFrame) => void;
+  /** A throwing event handler (EventHandlerFailed: the event is stored and acked all the
+   * same) or a failing store (StoreFailed: the session stops). Without this callback they
+   * are emitted as process warnings. */
+  onFailure?: (failure: EventHandlerFailed | StoreFailed) => void;
   /** An `error` frame that answers nothing the session sent and waits for. */
   onError?: (body: ErrorBody) => void;
   /** The session will not reconnect (the decision's reason). */
@@ -75,6 +87,8 @@ interface PendingCall {
   tool: ToolName;
   parameters: unknown;
   key: string | undefined;
+  /** The parameters as canonical JSON: a second call() with the key must match them. */
+  fingerprint: string;
   callIds: Set<string>;
   pending: boolean;
   resolve(body: ToolResultBody): void;
@@ -129,12 +143,60 @@ export class CallOutcomeUnknown extends Error {
   }
 }
 
-/** The session stopped: reconnecting cannot help (the policy's reason). */
+/** The session stopped: reconnecting cannot help (the policy's reason). `cause`: the
+ * failure that stopped it, when it was no decision of the policy (a StoreFailed). */
 export class SessionStopped extends Error {
-  constructor(readonly why: string) {
-    super(`session stopped: ${why}`);
+  constructor(readonly why: string, cause?: unknown) {
+    super(`session stopped: ${why}`, cause === undefined ? undefined : { cause });
     this.name = "SessionStopped";
   }
+}
+
+/**
+ * call() with an idempotency key already in flight for another call (another tool or other
+ * parameters). Nothing was sent: the supervisor would answer `idempotency_key_reused`, and
+ * the key stays the first call's. One key, one call: use a new key for this one.
+ */
+export class IdempotencyKeyReused extends Error {
+  readonly code = "idempotency_key_reused";
+  constructor(readonly idempotencyKey: string, readonly tool: ToolName, readonly inFlightTool: ToolName) {
+    super(`the idempotency key ${JSON.stringify(idempotencyKey)} is in flight for another ${inFlightTool} call: nothing was sent`);
+    this.name = "IdempotencyKeyReused";
+  }
+}
+
+/** An onEvent callback or an event listener threw (or onStopped, called when the store
+ * failed during an event). The event was stored and is acked: the
+ * handler's failure is the application's, and the session goes on with the next event. */
+export class EventHandlerFailed extends Error {
+  constructor(readonly event: EventFrame, cause: unknown) {
+    super(`a handler of event ${event.seq} (${event.kind}) threw: ${cause instanceof Error ? cause.message : String(cause)}`, { cause });
+    this.name = "EventHandlerFailed";
+  }
+}
+
+/**
+ * The store failed while storing an event or reading the ack floor after it. The session
+ * stops (SessionStopped, its cause this error) and closes its socket: nothing after the
+ * failed event can be acked, and storing later events around a hole would only hide it.
+ * Nothing is lost: the supervisor keeps every event above the store's ack floor, so a new
+ * SupervisorSession on the repaired store gets them again (docs/client-contract.md, "The
+ * ack floor").
+ */
+export class StoreFailed extends Error {
+  constructor(readonly operation: "putEvent" | "ackFloor", readonly seq: number, cause: unknown) {
+    super(`the store's ${operation} failed at event ${seq}: ${cause instanceof Error ? cause.message : String(cause)}`, { cause });
+    this.name = "StoreFailed";
+  }
+}
+
+/** JSON with every object's keys sorted: equal for parameters that differ only in order. */
+export function canonicalJson(value: unknown): string {
+  return JSON.stringify(value, (_key, inner: unknown) =>
+    inner !== null && typeof inner === "object" && !Array.isArray(inner)
+      ? Object.fromEntries(Object.entries(inner).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0)))
+      : inner,
+  );
 }
 
 export interface ReadOutputOptions {
@@ -172,10 +234,16 @@ export class SupervisorSession {
   connection: ControlConnection | undefined;
   state: RuntimeStateBody | undefined;
   stopped: string | undefined;
+  private stopCause: unknown;
   private readonly calls = new Map<string, PendingCall>(); // by key, or by call_id without one
   private readonly byCallId = new Map<string, PendingCall>();
   private acked = 0;
   private failures = 0;
+  // invalid_authority refusals since the last attached socket: only these use up the
+  // assertion's tries (MAX_AUTHORITY_RETRIES), not the draining refusals of a restart.
+  private authorityRefusals = 0;
+  // The store failed: the session stopped, and the events still queued are not stored.
+  private storeFailed = false;
   private connecting: Promise<ControlConnection> | undefined;
   private readonly listeners = new Set<(event: EventFrame) => void>();
   private storing: Promise<void> = Promise.resolve();
@@ -194,7 +262,7 @@ export class SupervisorSession {
 
   /** The open, bootstrapped socket; connects when there is none. */
   connected(): Promise<ControlConnection> {
-    if (this.stopped !== undefined) return Promise.reject(new SessionStopped(this.stopped));
+    if (this.stopped !== undefined) return Promise.reject(new SessionStopped(this.stopped, this.stopCause));
     const current = this.connection;
     if (current && !current.closed && current.state && current !== this.stopping) return Promise.resolve(current);
     this.connecting ??= this.connectLoop().finally(() => (this.connecting = undefined));
@@ -227,7 +295,9 @@ export class SupervisorSession {
    * tool.result of the first attempt: it carries the first attempt's call_id, which is
    * another replica's when another replica made it, so after a tool.pending the result is
    * matched by its idempotency key). One promise per idempotency key: calling again with a
-   * key in flight returns the same one. A lost socket re-sends the call on the next one with
+   * key in flight and the same tool and parameters returns the same one; with another tool
+   * or other parameters it rejects IdempotencyKeyReused (nothing is sent). A frame over the
+   * supervisor's message limit rejects FrameTooLarge (nothing is sent). A lost socket re-sends the call on the next one with
    * a new call_id and the same key, which the supervisor answers without running it twice
    * (§8). Rejects with CallNotStarted when nothing ran and the key is free
    * (`supervisor_stopping`, `too_many_processes`, `resource_exhausted`, `journal_full`, an
@@ -236,11 +306,15 @@ export class SupervisorSession {
   call<N extends ToolName>(tool: N, parameters: ToolParametersByName[N], options: CallOptions = {}): Promise<CallResult<N>> {
     const key = options.idempotencyKey;
     const existing = key === undefined ? undefined : this.calls.get(key);
-    if (existing) return existing.promise as Promise<CallResult<N>>;
+    const fingerprint = canonicalJson({ tool, parameters });
+    if (existing) {
+      if (existing.fingerprint === fingerprint) return existing.promise as Promise<CallResult<N>>;
+      return Promise.reject(new IdempotencyKeyReused(key!, tool, existing.tool));
+    }
     let resolve!: (body: ToolResultBody) => void;
     let reject!: (error: Error) => void;
     const promise = new Promise<ToolResultBody>((res, rej) => ((resolve = res), (reject = rej)));
-    const call: PendingCall = { tool, parameters, key, callIds: new Set(), pending: false, resolve, reject, promise };
+    const call: PendingCall = { tool, parameters, key, fingerprint, callIds: new Set(), pending: false, resolve, reject, promise };
     const slot = key ?? options.callId ?? randomUUID(); // a call without a key: its own slot
     const settle = (): void => {
       this.calls.delete(slot);
@@ -259,12 +333,19 @@ export class SupervisorSession {
     const id = callId && !call.callIds.has(callId) ? callId : randomUUID();
     call.callIds.add(id);
     this.byCallId.set(id, call);
-    connection.send("tool.call", {
-      tool_name: call.tool,
-      call_id: id,
-      ...(call.key !== undefined ? { idempotency_key: call.key } : {}),
-      parameters: call.parameters,
-    } as never);
+    try {
+      connection.send("tool.call", {
+        tool_name: call.tool,
+        call_id: id,
+        ...(call.key !== undefined ? { idempotency_key: call.key } : {}),
+        parameters: call.parameters,
+      } as never);
+    } catch (error) {
+      // Too large to send: this call fails alone (it was never sent, so no socket resends
+      // it); the socket and the other calls go on.
+      if (!(error instanceof FrameTooLarge)) throw error;
+      call.reject(error);
+    }
   }
 
   /** Start a held process (docs/protocol.md §7.7.1); its call_id is its handle. */
@@ -383,16 +464,19 @@ export class SupervisorSession {
       try {
         const connection = await this.connectOnce();
         this.failures = 0;
+        this.authorityRefusals = 0;
         this.resend(connection);
         return connection;
       } catch (error) {
         if (error instanceof UpgradeRefused) {
-          decision = decideRefusal(error.status, error.code, error.retryAfterS, this.failures, this.backoff());
+          decision = decideRefusal(error.status, error.code, error.retryAfterS, this.failures, this.backoff(), this.authorityRefusals);
+          if (error.code === "invalid_authority") this.authorityRefusals += 1;
         } else if (error instanceof ConnectFailed) {
           decision = decideConnectFailure(this.failures, this.backoff());
         } else if (error instanceof ConnectionClosed) {
           decision = decideClose(error.code, error.reason, this.failures, this.backoff());
-        } else if (error instanceof BootstrapRejected) {
+        } else if (error instanceof BootstrapRejected || error instanceof FrameTooLarge) {
+          // FrameTooLarge: the bootstrap body itself is over the limit, every time.
           decision = { action: "stop", why: error.message };
         } else {
           throw error;
@@ -471,10 +555,24 @@ export class SupervisorSession {
         onClose: (code, reason) => this.onClose(connection, code, reason),
       },
       this.options.requestIds ?? true,
+      this.options.maxMessageBytes,
     );
     this.connection = connection;
     this.acked = Math.max(this.acked, ackFloor);
-    const state = await connection.bootstrap(this.options.bootstrap);
+    let state: RuntimeStateBody;
+    try {
+      state = await connection.bootstrap(this.options.bootstrap, this.options.bootstrapTimeoutMs);
+    } catch (error) {
+      if (error instanceof RequestTimeout) {
+        // A 101 and then no runtime.state: a supervisor stuck, or a proxy that upgraded and
+        // lost its far end. Drop the socket (a close handshake would wait on the same
+        // silence) and count it as a failed connect: back off and try again.
+        connection.terminate();
+        throw new ConnectFailed(error);
+      }
+      if (error instanceof FrameTooLarge) connection.close();
+      throw error;
+    }
     // Events up to the supervisor's floor were acked (by this client or a replica sharing
     // the store) and are pruned: the store's floor is at least that (§6.5, runtime.state).
     await store.raiseFloor(state.ackFloor);
@@ -509,10 +607,11 @@ export class SupervisorSession {
     })();
   }
 
-  private stop(why: string): void {
+  private stop(why: string, cause?: unknown): void {
     if (this.stopped !== undefined) return;
     this.stopped = why;
-    const error = new SessionStopped(why);
+    this.stopCause = cause;
+    const error = new SessionStopped(why, cause);
     for (const call of new Set(this.calls.values())) call.reject(error);
     this.options.onStopped?.(why);
   }
@@ -521,19 +620,63 @@ export class SupervisorSession {
 
   private onEvent(event: EventFrame, connection: ControlConnection): void {
     // Stored in order, one after the other; the ack follows what the store made durable.
-    this.storing = this.storing.then(async () => {
+    // handleEvent never rejects: a rejected chain would be an unhandled rejection (Node
+    // exits on it) and would store and ack nothing after it.
+    // The last catch is for the one user callback handleEvent does not guard itself
+    // (onStopped, called when the store fails).
+    this.storing = this.storing
+      .then(() => this.handleEvent(event, connection))
+      .catch((error: unknown) => this.report(new EventHandlerFailed(event, error)));
+  }
+
+  private async handleEvent(event: EventFrame, connection: ControlConnection): Promise<void> {
+    if (this.storeFailed) return; // stopped: the next session gets these events again
+    try {
       await this.options.store.putEvent(event);
-      if (event.kind === "tool.result") {
-        const call = this.byCallId.get(event.body.call_id) ?? this.pendingByKey(event.body);
-        // Journaled after this socket attached (above runtime.state's localEventMax): sent
-        // live by the supervisor at the other end, not replayed from an earlier one.
-        const live = connection.state !== undefined && event.seq > connection.state.localEventMax;
-        if (call) this.settle(call, event.body, live ? connection : undefined);
+    } catch (error) {
+      return this.failStore(new StoreFailed("putEvent", event.seq, error), connection);
+    }
+    if (event.kind === "tool.result") {
+      const call = this.byCallId.get(event.body.call_id) ?? this.pendingByKey(event.body);
+      // Journaled after this socket attached (above runtime.state's localEventMax): sent
+      // live by the supervisor at the other end, not replayed from an earlier one.
+      const live = connection.state !== undefined && event.seq > connection.state.localEventMax;
+      if (call) this.settle(call, event.body, live ? connection : undefined);
+    }
+    // Each handler on its own: one that throws neither stops the others nor the ack.
+    for (const handler of [this.options.onEvent, ...this.listeners]) {
+      try {
+        handler?.(event);
+      } catch (error) {
+        this.report(new EventHandlerFailed(event, error));
       }
-      this.options.onEvent?.(event);
-      for (const listener of [...this.listeners]) listener(event);
+    }
+    try {
       await this.ack();
-    });
+    } catch (error) {
+      this.failStore(new StoreFailed("ackFloor", event.seq, error), connection);
+    }
+  }
+
+  private failStore(failure: StoreFailed, connection: ControlConnection): void {
+    this.storeFailed = true;
+    this.report(failure);
+    this.stop(failure.message, failure);
+    connection.close();
+    if (this.connection !== connection) this.connection?.close();
+  }
+
+  private report(failure: EventHandlerFailed | StoreFailed): void {
+    const { onFailure } = this.options;
+    if (!onFailure) {
+      process.emitWarning(failure);
+      return;
+    }
+    try {
+      onFailure(failure);
+    } catch {
+      // A reporter that throws has nobody left to report to; the session goes on.
+    }
   }
 
   /**

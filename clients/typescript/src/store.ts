@@ -27,16 +27,37 @@ export interface SessionStore {
   resetJournal(): Promise<void>;
 }
 
-/** A store in memory: for tests, and as the reference for a durable one. */
+export interface MemoryStoreOptions {
+  /** Milliseconds since the epoch (default Date.now); `() => 0` counts 1, 2, 3 … */
+  clock?: () => number;
+}
+
+/**
+ * A store in memory: for tests, and as the reference for a durable one.
+ *
+ * Its generations are clock-derived: the next one is the larger of the last one plus 1 and
+ * the clock's milliseconds since the epoch (docs/client-contract.md, "Generations"). A
+ * control plane restarted with a new MemoryStore has lost its last generation; counting
+ * from 1 again it would be refused `409 stale_generation` (a stop) until it passed the
+ * supervisor's fence, which it cannot read. From the clock it starts above every generation
+ * its earlier run used, as long as the clock did not go back. Replicas of a control plane
+ * share one counter in their shared store instead.
+ */
 export class MemoryStore implements SessionStore {
+  /** The last generation handed out (0: none yet). */
   generation = 0;
   readonly events = new Map<number, EventFrame>();
   /** Previous journals' events, kept after a reset (newest last). */
   readonly archived: Map<number, EventFrame>[] = [];
   private floor = 0;
+  private readonly clock: () => number;
+
+  constructor(options: MemoryStoreOptions = {}) {
+    this.clock = options.clock ?? Date.now;
+  }
 
   async nextGeneration(): Promise<number> {
-    this.generation += 1;
+    this.generation = Math.max(this.generation + 1, Math.floor(this.clock()));
     return this.generation;
   }
 

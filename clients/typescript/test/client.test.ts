@@ -9,7 +9,9 @@ import { after, before, test } from "node:test";
 
 import {
   CallNotStarted,
+  DEFAULT_MAX_MESSAGE_BYTES,
   FrameRefused,
+  FrameTooLarge,
   MemoryStore,
   StdinGap,
   type EventFrame,
@@ -67,7 +69,7 @@ test("connects over TCP and bootstraps", { skip }, async () => {
   const state = await session.start();
   assert.equal(state.protocolVersion, 1);
   assert.equal(state.sessionId, "sess-ts-1");
-  assert.equal(state.generation, 1);
+  assert.equal(state.generation, store.generation); // clock-derived (MemoryStore)
   assert.deepEqual([...state.scopes].sort(), ["files:read", "files:write", "session:control", "shell:exec"]);
 });
 
@@ -240,6 +242,21 @@ test("a process on a PTY: stdin by offsets, never twice, resize, list, signal", 
   assert.equal(ended.kind === "exec.completed" && ended.body.exit_code, 0);
 });
 
+test("a call over the message limit is refused locally; the socket and the session go on", { skip }, async () => {
+  const before = session.connection!;
+  // One byte over the daemon's limit once framed: sent, it would close the socket 1009.
+  const command = `echo ${"x".repeat(DEFAULT_MAX_MESSAGE_BYTES)}`;
+  await assert.rejects(
+    session.call("execute_shell_command", { command }, { idempotencyKey: "ts-too-large" }),
+    (error: unknown) => error instanceof FrameTooLarge && error.kind === "tool.call" && error.bytes > DEFAULT_MAX_MESSAGE_BYTES,
+  );
+  // Nothing was sent: the same socket serves the next call, and the key was never claimed.
+  const result = await session.call("execute_shell_command", { command: "echo fits" }, { idempotencyKey: "ts-too-large" });
+  assert.equal(result.ok && result.result.exit_code, 0);
+  assert.equal(session.connection, before);
+  assert.equal(session.stopped, undefined);
+});
+
 test("over the unix socket: a new generation takes the session, the old socket stops", { skip }, async () => {
   const stops: string[] = [];
   session.options.onStopped = (why) => stops.push(why);
@@ -264,6 +281,20 @@ test("over the unix socket: a new generation takes the session, the old socket s
     assert.match(stops[0]!, /superseded/);
   } finally {
     await viaUnix.close();
+  }
+});
+
+test("a control plane restarted with a new MemoryStore takes the session again", { skip }, async () => {
+  // Its last generation is lost with the old store; the new store's generation comes from the
+  // clock (docs/client-contract.md, "Generations") and is above the supervisor's fence.
+  const restarted = await newSession(d as Daemon, (d as Daemon).tcp, new MemoryStore(), { onFrame: checker.check });
+  try {
+    const state = await restarted.start();
+    assert.ok(state.generation > store.generation, `${state.generation} > ${store.generation}`);
+    const result = await restarted.call("read_file", { path: "hello.txt" });
+    assert.equal(result.ok, true);
+  } finally {
+    await restarted.close();
   }
 });
 

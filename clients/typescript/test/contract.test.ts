@@ -62,7 +62,7 @@ test("every HTTP refusal: the policy takes the page's action", () => {
   // invalid_authority: "a few times" is the policy's number.
   const authority = rows.find(([, code]) => code === "`invalid_authority`")![3]!;
   assert.ok(authority.includes(`(the TypeScript client: ${MAX_AUTHORITY_RETRIES})`), authority);
-  assert.equal(decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES, FIXED).action, "stop");
+  assert.equal(decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES, FIXED, MAX_AUTHORITY_RETRIES).action, "stop");
 });
 
 test("every close: the policy takes the page's action", () => {

@@ -87,8 +87,15 @@ test("storage_full waits for its Retry-After", () => {
 });
 
 test("invalid_authority is tried a few times with fresh assertions, then stops", () => {
-  assert.equal(decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES - 1, FIXED).action, "reconnect");
-  assert.equal(decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES, FIXED).action, "stop");
+  assert.equal(decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES - 1, FIXED, MAX_AUTHORITY_RETRIES - 1).action, "reconnect");
+  assert.equal(decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES, FIXED, MAX_AUTHORITY_RETRIES).action, "stop");
+});
+
+test("only invalid_authority refusals use up the assertion's tries, not failures of other kinds", () => {
+  // After several draining refusals in a row (a restart), the first invalid_authority is
+  // tried again: the backoff grows with every failure, the tries count only this refusal.
+  const decision = decideRefusal(401, "invalid_authority", undefined, MAX_AUTHORITY_RETRIES + 3, FIXED, 0);
+  assert.deepEqual(decision, { action: "reconnect", delayMs: backoff(MAX_AUTHORITY_RETRIES + 3, FIXED), why: "the assertion was refused; trying a fresh one" });
 });
 
 test("an answer that is no refusal of the supervisor: 5xx retried, 4xx not", () => {
