@@ -114,6 +114,10 @@ STALE_FRAME_MESSAGE = "The frame's connectionGeneration is not the fenced genera
 
 # --- limits ---
 MAX_OUTPUT_PAGE_LENGTH = 65536  # exec.read_output length of a JSON page (§6.3)
+# websocket.max_message_bytes' default (§1.4): the largest message the supervisor takes before
+# it closes the socket 1009. Defined here, with the wire's other limits, so the daemon's
+# configuration and the clients (the TypeScript export) read one value.
+DEFAULT_MAX_MESSAGE_BYTES = 131_072
 # ... and of a binary page ("format": "binary", §6.5.1): no base64 and no JSON string to
 # escape, so a page can be larger without a larger cost per byte; 1 MiB keeps a page
 # (and the reply queue's byte budget, session/sender.py) small.

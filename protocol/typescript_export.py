@@ -37,12 +37,6 @@ EXTRA_MODELS = tuple(
     dict.fromkeys(name for spec in tools.TOOL_SPECS for name in (spec.parameters.__name__, spec.result.__name__))
 )
 
-# websocket.max_message_bytes' default (docs/protocol.md §1.4): the largest message the
-# supervisor takes before it closes the socket 1009. It is the daemon's setting
-# (supervisor/config.py), which this package may not import; tests/test_typescript_client.py
-# checks that the two agree. A client checks its frames against it before sending.
-DEFAULT_MAX_MESSAGE_BYTES = 131_072
-
 # Fields whose schema is open, narrowed from the protocol's tables: (model, field) -> type.
 FIELD_OVERRIDES: dict[tuple[str, str], str] = {
     ("ErrorBody", "code"): "FrameErrorCode",
@@ -262,7 +256,7 @@ def _constants() -> list[str]:
         "BINARY_PAGE_HEADER_LENGTH_BYTES": frames.BINARY_PAGE_HEADER_LENGTH_BYTES,
         "MAX_STDIN_WRITE_BYTES": frames.MAX_STDIN_WRITE_BYTES,
         "STORAGE_FULL_RETRY_AFTER_S": errors.STORAGE_FULL_RETRY_AFTER_S,
-        "DEFAULT_MAX_MESSAGE_BYTES": DEFAULT_MAX_MESSAGE_BYTES,
+        "DEFAULT_MAX_MESSAGE_BYTES": frames.DEFAULT_MAX_MESSAGE_BYTES,
     }
     lines += [f"export const {name} = {value};" for name, value in numbers.items()]
     return lines

@@ -28,7 +28,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from sandbox_supervisor.protocol import bootstrap
+from sandbox_supervisor.protocol import bootstrap, frames
 from sandbox_supervisor.protocol.addresses import parse_host_port
 from sandbox_supervisor.daemon.edge.server import default_unix_allowed_uids
 from sandbox_supervisor.daemon.runtime.identity import (
@@ -176,7 +176,7 @@ class WebSocketConfig(_Section):
     # --- end of readiness and the metrics listener ---
     ping_interval_s: PositiveSeconds = 15.0
     idle_timeout_s: PositiveSeconds = 60.0
-    max_message_bytes: PositiveInt = 131072
+    max_message_bytes: PositiveInt = frames.DEFAULT_MAX_MESSAGE_BYTES
     handshake_timeout_s: PositiveSeconds = 10.0
     # Handshake slots of the TCP listeners; the unix listeners have a pool of their own, so a
     # TCP flood cannot lock out a control plane that connects over the unix socket.
