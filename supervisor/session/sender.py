@@ -237,10 +237,20 @@ async def send_messages(
                 deadline_scope.deadline = trio.current_time() + write_timeout_s
             chunk = pending[0] if len(pending) == 1 else b"".join(pending)
             pending, size = [], 0
-            async with ws._stream_lock:
-                try:
-                    await ws._stream.send_all(chunk)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    await ws._abort_web_socket()
-                    assert ws._close_reason is not None
-                    raise trio_websocket.ConnectionClosed(ws._close_reason) from None
+            lock = ws._stream_lock
+            try:
+                # A free lock is taken without a checkpoint (the usual case: the reader task
+                # writes only pongs and the close): `async with` would yield to the scheduler
+                # first, one more pass of the event loop on the way of every write. The write
+                # below is still a checkpoint (trio's send_all yields once it is done).
+                lock.acquire_nowait()
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
+                await ws._stream.send_all(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await ws._abort_web_socket()
+                assert ws._close_reason is not None
+                raise trio_websocket.ConnectionClosed(ws._close_reason) from None
+            finally:
+                lock.release()
