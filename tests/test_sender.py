@@ -236,3 +236,54 @@ async def test_an_idle_sender_outlives_its_write_timeout_and_a_stalled_write_end
         await with_pair(body)
     finally:
         store.close()
+
+
+async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a_held_one():
+    """A free stream lock costs no pass of the event loop before the write (the task's step
+    goes on until the write itself yields); a lock the reader task holds (a pong, the close)
+    is waited for, and the write follows once it is released."""
+
+    class Steps(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.ended: list[trio.lowlevel.Task] = []
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            self.ended.append(task)
+
+    class WatchedStream(CountingStream):
+        steps_before_write: list[int] = []
+
+        async def send_all(self, data: bytes) -> None:
+            self.steps_before_write.append(steps.ended.count(trio.lowlevel.current_task()))
+            await super().send_all(data)
+
+    steps = Steps()
+
+    async def body(ws, counted, client):
+        watched = WatchedStream(counted._inner)
+        ws._stream = watched
+        trio.lowlevel.add_instrument(steps)
+        try:
+            steps.ended.clear()
+            await send_messages(ws, ["echo"])
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert watched.steps_before_write == [0]  # no yield between the call and the write
+        assert await client.get_message() == "echo"
+
+        # Held by another task: the write waits for its release, then goes out whole.
+        released = trio.Event()
+
+        async def hold_then_release(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with ws._stream_lock:
+                task_status.started()
+                await trio.testing.wait_all_tasks_blocked()  # the write below waits on it
+                released.set()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold_then_release)
+            await send_messages(ws, ["after", "the lock"])
+            assert released.is_set()
+        assert [await client.get_message() for _ in range(2)] == ["after", "the lock"]
+
+    await with_pair(body)
