@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import trio
 import trio.testing
 import trio_websocket
@@ -287,3 +288,106 @@ async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a
         assert [await client.get_message() for _ in range(2)] == ["after", "the lock"]
 
     await with_pair(body)
+
+
+async def test_writes_that_do_not_yield_still_let_other_tasks_run_between_them(tmp_path):
+    """The edge's socket writes do not yield when the socket takes everything at once; a
+    sender with several batches to write (a replay) still gives way between its writes, so
+    no other task of the daemon waits for the whole burst."""
+    from sandbox_supervisor.daemon.session.sender import EVENT_BATCH
+
+    class NoYieldStream:
+        def __init__(self) -> None:
+            self.writes = 0
+
+        async def send_all(self, data: bytes) -> None:
+            self.writes += 1  # taken at once, no checkpoint: as the edge's direct write
+
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+    journal.append([("tool.result", tool_result(n)) for n in range(3 * EVENT_BATCH)])
+
+    async def body(ws, counted, client):
+        stream = NoYieldStream()
+        ws._stream = stream
+        sender = SocketSender(ws, journal, cursor=0)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            while sender.cursor < journal.last_seq:
+                seen.append(stream.writes)
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            nursery.start_soon(watch)
+            await sender.flush(journal.last_seq)
+            nursery.cancel_scope.cancel()
+        ws._stream = counted  # the real stream again, for the close
+        assert stream.writes == 3
+        assert any(0 < writes < 3 for writes in seen), seen  # it ran between the writes
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
+async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full():
+    """ReplayStream writes a socket without trio's pass of the event loop after a write the
+    socket took at once; a full socket is waited on and every byte arrives in order; a closed
+    stream and a broken connection fail as trio's own send_all does."""
+    import socket as stdlib_socket
+    import struct
+
+    from sandbox_supervisor.daemon.edge.server import ReplayStream
+
+    class Steps(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.ended: list[trio.lowlevel.Task] = []
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            self.ended.append(task)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listeners[0].accept()
+    replay = ReplayStream(server, b"", b"")
+    try:
+        steps = Steps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await replay.send_all(b"small")
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert trio.lowlevel.current_task() not in steps.ended  # no yield: the socket took it
+        assert await client.receive_some(5) == b"small"
+
+        big = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than the socket holds
+        received = bytearray()
+
+        async def read_all() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the writer waits on a full socket
+            while len(received) < len(big):
+                received.extend(await client.receive_some(1 << 20))
+
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_all)
+                await replay.send_all(big)
+        assert bytes(received) == big
+
+        # The peer resets the connection: BrokenResourceError (at the latest on a later write).
+        client.socket.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()
+        with trio.fail_after(FRAME_TIMEOUT_S), pytest.raises(trio.BrokenResourceError):
+            while True:
+                await replay.send_all(b"x" * 65536)
+                await trio.lowlevel.checkpoint()
+    finally:
+        await replay.aclose()
+        for listener in listeners:
+            await listener.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await replay.send_all(b"after the close")

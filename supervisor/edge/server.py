@@ -329,10 +329,40 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         self._head = head
         self._early = early
         self._sent = trio.Event()
+        # A socket's writes go to it directly (_send_direct); another stream's through it.
+        self._socket = inner.socket if isinstance(inner, trio.SocketStream) else None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
+        if self._socket is None:
+            await self._inner.send_all(data)
+        else:
+            await self._send_direct(self._socket, data)
         self._sent.set()
+
+    @staticmethod
+    async def _send_direct(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> None:
+        """The whole of `data` to the socket, waiting only while it is full. trio's
+        `SocketStream.send_all` yields to the scheduler after a send that took everything at
+        once: a pass of the event loop per frame written (every keystroke's echo and its
+        exec.stdin_ack). Here only a full socket waits (`wait_writable`: a checkpoint, where
+        a write deadline cancels as before, leaving a partial frame as before). Callers hold
+        the WebSocket's stream lock, so no two sends interleave; the socket sender yields
+        between writes under load (`SocketSender.run`). Errors as trio's: a closed socket
+        ClosedResourceError, any other failure BrokenResourceError."""
+        with memoryview(data) as view:
+            sent = 0
+            while sent < len(view):
+                try:
+                    sent += os.write(sock.fileno(), view[sent:])
+                except BlockingIOError:
+                    try:
+                        await trio.lowlevel.wait_writable(sock)
+                    except OSError as exc:  # closed meanwhile (trio raises ClosedResourceError)
+                        raise trio.ClosedResourceError("the socket was closed") from exc
+                except OSError as exc:
+                    if exc.errno == errno.EBADF:  # fileno() is -1 once the socket is closed
+                        raise trio.ClosedResourceError("the socket was already closed") from None
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()

@@ -116,9 +116,18 @@ class SocketSender:
         self._journal.subscribe(self.wake)
         try:
             with self._write_scope:
+                wrote = False
                 while True:
                     self._wake = trio.Event()
-                    if not await self._pass():
+                    if wrote and self._has_work():
+                        # A write that the socket takes at once does not yield (the edge's
+                        # stream writes directly): writing again straight after, as under a
+                        # replay or a burst, would keep every other task of the daemon
+                        # waiting. One pass of the event loop between such writes; none on a
+                        # keystroke's way (its pass after the write finds nothing and waits).
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    wrote = await self._pass()
+                    if not wrote:
                         await self._wake.wait()
             # The loop never ends by itself: here, the write deadline cancelled it.
             raise _Stalled
@@ -132,6 +141,10 @@ class SocketSender:
             self._journal.unsubscribe(self.wake)
             self.stopped = True
             self._progress.set()
+
+    def _has_work(self) -> bool:
+        """Something to write: a queued reply, or an event after the cursor."""
+        return self._reply_out.statistics().current_buffer_used > 0 or self.cursor < self._journal.last_seq
 
     async def _pass(self) -> bool:
         """Write every queued reply, then the next batch of events after the cursor, in as
