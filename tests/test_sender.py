@@ -391,3 +391,49 @@ async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full
             await listener.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await replay.send_all(b"after the close")
+
+
+async def test_the_edge_reads_a_socket_once_it_is_readable_and_fails_as_trio_does():
+    """ReplayStream's direct read (it waits for readability before reading): what the peer
+    sent, in order; b"" at the end of the stream; BrokenResourceError on a reset connection
+    and ClosedResourceError once the stream is closed, as trio's own receive_some."""
+    import socket as stdlib_socket
+    import struct
+
+    from sandbox_supervisor.daemon.edge.server import ReplayStream
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    try:
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        replay = ReplayStream(await listeners[0].accept(), b"head", b"")
+        assert await replay.receive_some() == b"head"  # the replayed head comes first
+
+        async def send_later() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits for it
+            await client.send_all(b"typed")
+
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_later)
+                assert await replay.receive_some() == b"typed"
+            await client.send_all(b"abcdef")
+            assert await replay.receive_some(4) == b"abcd"
+            assert await replay.receive_some(4) == b"ef"
+            await client.send_eof()
+            assert await replay.receive_some() == b""
+        await client.aclose()
+        await replay.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await replay.receive_some()
+
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        replay = ReplayStream(await listeners[0].accept(), b"", b"")
+        client.socket.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()  # a reset
+        with trio.fail_after(FRAME_TIMEOUT_S), pytest.raises(trio.BrokenResourceError):
+            await replay.receive_some()
+        await replay.aclose()
+    finally:
+        for listener in listeners:
+            await listener.aclose()
