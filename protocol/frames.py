@@ -16,6 +16,7 @@ import binascii
 import json
 import re
 from collections.abc import Mapping
+from json.encoder import encode_basestring
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import (
@@ -40,6 +41,7 @@ from sandbox_supervisor.protocol.fields import (
     Id,
     IdempotencyKey,
     Scope,
+    STREAMS,
     Seq,
     Stream,
     StrictModel,
@@ -761,10 +763,65 @@ EVENT_MODELS: dict[str, type[ExecStartedEvent | ExecOutputEvent | ExecCompletedE
 }
 
 
+# exec.output's body members, in the model's field order (the order they are written in).
+_OUTPUT_MEMBERS: Final = tuple(ExecOutputBody.model_fields)
+_OUTPUT_MEMBER_SET: Final = frozenset(_OUTPUT_MEMBERS)
+# The JSON string of a `str` exactly as `encode_frame` writes it: non-ASCII as UTF-8 and
+# the same escapes (the C encoder of `json.dumps(..., ensure_ascii=False)`).
+_json_string: Final = encode_basestring
+
+
+def _exec_output_direct(seq: object, body: Mapping[str, Any]) -> str | None:
+    """exec.output, one per terminal echo, written directly: byte for byte what
+    `encode_frame(ExecOutputEvent.model_validate(...))` gives (tests/test_frames_direct.py
+    holds this over every character class JSON treats apart), at a fraction of the model's
+    validation and dump. None for anything the checks below do not pass exactly as the model
+    would (the caller then goes through the model, which encodes it or raises as before): a
+    member missing or extra, a value of another type (strict: a bool is not a count, a str
+    subclass is not taken here), a count out of range, a call id off its pattern, and a text
+    UTF-8 cannot encode (a lone surrogate, which the model refuses when it writes JSON)."""
+    if type(body) is not dict or body.keys() != _OUTPUT_MEMBER_SET:
+        return None
+    call_id, stream, text = body["call_id"], body["stream"], body["text"]
+    truncated, after_exit = body["truncated"], body["after_exit"]
+    if not (
+        type(seq) is int
+        and 1 <= seq <= MAX_SAFE_INTEGER
+        and type(call_id) is str
+        and is_call_id(call_id)
+        and type(stream) is str
+        and stream in STREAMS
+        and type(text) is str
+        and _count(body["offset"])
+        and _count(body["bytes"])
+        and type(truncated) is bool
+        and _count(body["dropped_bytes"])
+        and type(after_exit) is bool
+    ):
+        return None
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    return (
+        f'{{"kind":"{EXEC_OUTPUT}","seq":{seq},"body":{{"call_id":"{call_id}","stream":"{stream}",'
+        f'"text":{_json_string(text)},"offset":{body["offset"]},"bytes":{body["bytes"]},'
+        f'"truncated":{"true" if truncated else "false"},"dropped_bytes":{body["dropped_bytes"]},'
+        f'"after_exit":{"true" if after_exit else "false"}}}}}'
+    )
+
+
 def encode_event(kind: str, seq: int, body: Mapping[str, Any]) -> str:
     """A journaled event exactly as it is stored and sent: validated against its model (so
     nothing malformed is ever journaled) and written by `encode_frame`. ValueError (pydantic's
-    ValidationError is one) for an unknown kind or a body that does not fit."""
+    ValidationError is one) for an unknown kind or a body that does not fit. exec.output, the
+    event of every keystroke's echo, is written directly when its values pass the model's
+    checks (`_exec_output_direct`), the same bytes."""
+    if kind == EXEC_OUTPUT:
+        direct = _exec_output_direct(seq, body)
+        if direct is not None:
+            return direct
     model = EVENT_MODELS.get(kind)
     if model is None:
         raise ValueError(f"not a journaled event kind: {kind!r}")

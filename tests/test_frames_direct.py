@@ -7,9 +7,13 @@ import pytest
 from pydantic import ValidationError
 
 from sandbox_supervisor.protocol.frames import (
+    EXEC_OUTPUT,
     MAX_REQUEST_ID_CHARS,
+    ExecOutputEvent,
     ExecStdinAckBody,
     ExecStdinAckFrame,
+    _exec_output_direct,
+    encode_event,
     encode_frame,
     encode_stdin_ack,
 )
@@ -62,3 +66,88 @@ def test_stdin_ack_refuses_what_the_model_refuses(call_id, offset, next_offset, 
         generic(call_id, offset, next_offset, closed, request_id)
     with pytest.raises(ValidationError):
         encode_stdin_ack(call_id, offset, next_offset, closed, request_id)
+
+
+# exec.output: every character class JSON writes apart (control characters with and without a
+# short escape, the quote, the backslash, DEL, the C1 controls, the line and paragraph
+# separators, the BOM, noncharacters, the replacement character, astral characters) and every
+# range edge of its counts.
+EVERY_ESCAPE = "".join(chr(code) for code in range(0x80)) + "\x7f\x80\x9f\xa0\u2028\u2029\ufeff\ufffd\uffff\U0001f600\U0010ffff"
+
+
+def output_body(**changes: object) -> dict[str, object]:
+    body: dict[str, object] = {
+        "call_id": CALL_ID,
+        "stream": "stdout",
+        "text": "x\r\n",
+        "offset": 0,
+        "bytes": 3,
+        "truncated": False,
+        "dropped_bytes": 0,
+        "after_exit": False,
+    }
+    body.update(changes)
+    return body
+
+
+def generic_output(seq: object, body: object) -> str:
+    return encode_frame(ExecOutputEvent.model_validate({"kind": EXEC_OUTPUT, "seq": seq, "body": body}))
+
+
+@pytest.mark.parametrize(
+    ("seq", "body"),
+    [
+        (1, output_body()),
+        (MAX_SAFE_INTEGER, output_body(stream="stderr", offset=MAX_SAFE_INTEGER, bytes=MAX_SAFE_INTEGER)),
+        (7, output_body(text="", bytes=0, truncated=True, dropped_bytes=MAX_SAFE_INTEGER, after_exit=True)),
+        (2, output_body(text=EVERY_ESCAPE)),
+        (3, output_body(text='"\\/\b\f\n\r\t\x00\x1f')),
+        (4, output_body(text="caf\u00e9 \u65e5\u672c \U0001f600")),
+        (5, output_body(call_id=CALL_ID.upper())),
+        (6, dict(reversed(list(output_body().items())))),  # members in another order
+    ],
+)
+def test_exec_output_is_the_generic_encoders_bytes(seq, body) -> None:
+    direct = _exec_output_direct(seq, body)
+    assert direct is not None  # written directly, not through the model
+    assert direct == generic_output(seq, body)
+    assert encode_event(EXEC_OUTPUT, seq, body) == direct
+
+
+@pytest.mark.parametrize(
+    ("seq", "body"),
+    [
+        (0, output_body()),  # a seq starts at 1
+        (MAX_SAFE_INTEGER + 1, output_body()),
+        (True, output_body()),  # a bool is not a seq
+        (1, output_body(call_id="not-a-uuid")),
+        (1, output_body(call_id=CALL_ID + "\n")),
+        (1, output_body(stream="stdin")),
+        (1, output_body(text=b"x")),  # bytes are not text
+        (1, output_body(text=None)),
+        (1, output_body(text="a\ud800b")),  # a lone surrogate: JSON of it is refused on writing
+        (1, output_body(offset=-1)),
+        (1, output_body(bytes=MAX_SAFE_INTEGER + 1)),
+        (1, output_body(dropped_bytes=1.0)),
+        (1, output_body(offset=True)),
+        (1, output_body(truncated=0)),
+        (1, output_body(after_exit="false")),
+        (1, output_body(extra=1)),
+        (1, {key: value for key, value in output_body().items() if key != "after_exit"}),
+    ],
+)
+def test_exec_output_refuses_what_the_model_refuses(seq, body) -> None:
+    assert _exec_output_direct(seq, body) is None  # left to the model, which refuses it
+    with pytest.raises(ValueError):
+        generic_output(seq, body)
+    with pytest.raises(ValueError):
+        encode_event(EXEC_OUTPUT, seq, body)
+
+
+def test_exec_output_leaves_a_text_subclass_to_the_model() -> None:
+    class Text(str):
+        pass
+
+    body = output_body(text=Text("x\n"))
+    assert _exec_output_direct(1, body) is None
+    assert encode_event(EXEC_OUTPUT, 1, body) == generic_output(1, output_body(text="x\n"))

@@ -155,6 +155,25 @@ def test_frames_from_memory_match_the_store_including_pruning(tmp_path):
         assert journal.frames_after(journal.last_seq - 2, 10) == store.events_after(journal.last_seq - 2, 10)
 
 
+def test_frames_from_memory_match_the_store_from_either_end_of_the_window(tmp_path):
+    """A batch from the newer half of the in-memory window is walked from its newest end, one
+    from the older half from its oldest: both give the store's frames, at every position of a
+    full window, for every limit and character budget."""
+    from sandbox_supervisor.daemon.state.journal import RECENT_FRAMES, Journal
+    from sandbox_supervisor.daemon.state.store import StateStore
+
+    with StateStore.open(tmp_path / "state") as store:
+        journal = Journal(store)
+        journal.append([("tool.result", tool_result(n=i, text="x" * (i % 7))) for i in range(RECENT_FRAMES + 3)])
+        first, last = journal.recent[0].seq, journal.recent[-1].seq
+        assert last - first + 1 == RECENT_FRAMES
+        for after in (first - 1, first, first + 1, *range(first + RECENT_FRAMES // 2 - 2, first + RECENT_FRAMES // 2 + 3), last - 3, last - 2, last - 1):
+            for limit in (1, 2, 5, RECENT_FRAMES):
+                assert journal.frames_after(after, limit) == store.events_after(after, limit), (after, limit)
+                assert journal.frames_after(after, limit, 200) == store.events_after(after, limit, 200), (after, limit)
+        assert journal.frames_after(last, 5) == []
+
+
 def test_recent_frames_in_memory_are_bounded_by_size_and_leave_when_acked(tmp_path):
     """The in-memory window is cut by size as well as count, from the oldest end only (so
     it stays dense and agrees with the store), and acked frames leave it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import trio
 import trio.testing
 import trio_websocket
@@ -236,3 +237,203 @@ async def test_an_idle_sender_outlives_its_write_timeout_and_a_stalled_write_end
         await with_pair(body)
     finally:
         store.close()
+
+
+async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a_held_one():
+    """A free stream lock costs no pass of the event loop before the write (the task's step
+    goes on until the write itself yields); a lock the reader task holds (a pong, the close)
+    is waited for, and the write follows once it is released."""
+
+    class Steps(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.ended: list[trio.lowlevel.Task] = []
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            self.ended.append(task)
+
+    class WatchedStream(CountingStream):
+        steps_before_write: list[int] = []
+
+        async def send_all(self, data: bytes) -> None:
+            self.steps_before_write.append(steps.ended.count(trio.lowlevel.current_task()))
+            await super().send_all(data)
+
+    steps = Steps()
+
+    async def body(ws, counted, client):
+        watched = WatchedStream(counted._inner)
+        ws._stream = watched
+        trio.lowlevel.add_instrument(steps)
+        try:
+            steps.ended.clear()
+            await send_messages(ws, ["echo"])
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert watched.steps_before_write == [0]  # no yield between the call and the write
+        assert await client.get_message() == "echo"
+
+        # Held by another task: the write waits for its release, then goes out whole.
+        released = trio.Event()
+
+        async def hold_then_release(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with ws._stream_lock:
+                task_status.started()
+                await trio.testing.wait_all_tasks_blocked()  # the write below waits on it
+                released.set()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold_then_release)
+            await send_messages(ws, ["after", "the lock"])
+            assert released.is_set()
+        assert [await client.get_message() for _ in range(2)] == ["after", "the lock"]
+
+    await with_pair(body)
+
+
+async def test_writes_that_do_not_yield_still_let_other_tasks_run_between_them(tmp_path):
+    """The edge's socket writes do not yield when the socket takes everything at once; a
+    sender with several batches to write (a replay) still gives way between its writes, so
+    no other task of the daemon waits for the whole burst."""
+    from sandbox_supervisor.daemon.session.sender import EVENT_BATCH
+
+    class NoYieldStream:
+        def __init__(self) -> None:
+            self.writes = 0
+
+        async def send_all(self, data: bytes) -> None:
+            self.writes += 1  # taken at once, no checkpoint: as the edge's direct write
+
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+    journal.append([("tool.result", tool_result(n)) for n in range(3 * EVENT_BATCH)])
+
+    async def body(ws, counted, client):
+        stream = NoYieldStream()
+        ws._stream = stream
+        sender = SocketSender(ws, journal, cursor=0)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            while sender.cursor < journal.last_seq:
+                seen.append(stream.writes)
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            nursery.start_soon(watch)
+            await sender.flush(journal.last_seq)
+            nursery.cancel_scope.cancel()
+        ws._stream = counted  # the real stream again, for the close
+        assert stream.writes == 3
+        assert any(0 < writes < 3 for writes in seen), seen  # it ran between the writes
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
+async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full():
+    """ReplayStream writes a socket without trio's pass of the event loop after a write the
+    socket took at once; a full socket is waited on and every byte arrives in order; a closed
+    stream and a broken connection fail as trio's own send_all does."""
+    import socket as stdlib_socket
+    import struct
+
+    from sandbox_supervisor.daemon.edge.server import ReplayStream
+
+    class Steps(trio.abc.Instrument):
+        def __init__(self) -> None:
+            self.ended: list[trio.lowlevel.Task] = []
+
+        def after_task_step(self, task: trio.lowlevel.Task) -> None:
+            self.ended.append(task)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listeners[0].accept()
+    replay = ReplayStream(server, b"", b"")
+    try:
+        steps = Steps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await replay.send_all(b"small")
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert trio.lowlevel.current_task() not in steps.ended  # no yield: the socket took it
+        assert await client.receive_some(5) == b"small"
+
+        big = bytes(range(256)) * (32 * 1024)  # 8 MiB: more than the socket holds
+        received = bytearray()
+
+        async def read_all() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the writer waits on a full socket
+            while len(received) < len(big):
+                received.extend(await client.receive_some(1 << 20))
+
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_all)
+                await replay.send_all(big)
+        assert bytes(received) == big
+
+        # The peer resets the connection: BrokenResourceError (at the latest on a later write).
+        client.socket.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()
+        with trio.fail_after(FRAME_TIMEOUT_S), pytest.raises(trio.BrokenResourceError):
+            while True:
+                await replay.send_all(b"x" * 65536)
+                await trio.lowlevel.checkpoint()
+    finally:
+        await replay.aclose()
+        for listener in listeners:
+            await listener.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await replay.send_all(b"after the close")
+
+
+async def test_the_edge_reads_a_socket_once_it_is_readable_and_fails_as_trio_does():
+    """ReplayStream's direct read (it waits for readability before reading): what the peer
+    sent, in order; b"" at the end of the stream; BrokenResourceError on a reset connection
+    and ClosedResourceError once the stream is closed, as trio's own receive_some."""
+    import socket as stdlib_socket
+    import struct
+
+    from sandbox_supervisor.daemon.edge.server import ReplayStream
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    try:
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        replay = ReplayStream(await listeners[0].accept(), b"head", b"")
+        assert await replay.receive_some() == b"head"  # the replayed head comes first
+
+        async def send_later() -> None:
+            await trio.testing.wait_all_tasks_blocked()  # the reader waits for it
+            await client.send_all(b"typed")
+
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_later)
+                assert await replay.receive_some() == b"typed"
+            await client.send_all(b"abcdef")
+            assert await replay.receive_some(4) == b"abcd"
+            assert await replay.receive_some(4) == b"ef"
+            await client.send_eof()
+            assert await replay.receive_some() == b""
+        await client.aclose()
+        await replay.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await replay.receive_some()
+
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        replay = ReplayStream(await listeners[0].accept(), b"", b"")
+        client.socket.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()  # a reset
+        with trio.fail_after(FRAME_TIMEOUT_S), pytest.raises(trio.BrokenResourceError):
+            await replay.receive_some()
+        await replay.aclose()
+    finally:
+        for listener in listeners:
+            await listener.aclose()

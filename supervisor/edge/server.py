@@ -317,6 +317,10 @@ def unix_peer_uid(stream: trio.abc.Stream) -> int | None:
     return int(uid)
 
 
+# What one read of a control socket asks for (trio's SocketStream default).
+RECEIVE_CHUNK_BYTES = 65536
+
+
 class ReplayStream(trio.abc.HalfCloseableStream):
     """Gives wsproto the request head we already read, then the live stream.
 
@@ -329,10 +333,40 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         self._head = head
         self._early = early
         self._sent = trio.Event()
+        # A socket's writes go to it directly (_send_direct); another stream's through it.
+        self._socket = inner.socket if isinstance(inner, trio.SocketStream) else None
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
+        if self._socket is None:
+            await self._inner.send_all(data)
+        else:
+            await self._send_direct(self._socket, data)
         self._sent.set()
+
+    @staticmethod
+    async def _send_direct(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> None:
+        """The whole of `data` to the socket, waiting only while it is full. trio's
+        `SocketStream.send_all` yields to the scheduler after a send that took everything at
+        once: a pass of the event loop per frame written (every keystroke's echo and its
+        exec.stdin_ack). Here only a full socket waits (`wait_writable`: a checkpoint, where
+        a write deadline cancels as before, leaving a partial frame as before). Callers hold
+        the WebSocket's stream lock, so no two sends interleave; the socket sender yields
+        between writes under load (`SocketSender.run`). Errors as trio's: a closed socket
+        ClosedResourceError, any other failure BrokenResourceError."""
+        with memoryview(data) as view:
+            sent = 0
+            while sent < len(view):
+                try:
+                    sent += os.write(sock.fileno(), view[sent:])
+                except BlockingIOError:
+                    try:
+                        await trio.lowlevel.wait_writable(sock)
+                    except (OSError, ValueError) as exc:  # closed (its descriptor is -1, ValueError)
+                        raise trio.ClosedResourceError("the socket was closed") from exc
+                except OSError as exc:
+                    if exc.errno == errno.EBADF:  # fileno() is -1 once the socket is closed
+                        raise trio.ClosedResourceError("the socket was already closed") from None
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()
@@ -345,7 +379,30 @@ class ReplayStream(trio.abc.HalfCloseableStream):
             await self._sent.wait()
             data, self._early = self._early, b""
             return data
-        return await self._inner.receive_some(max_bytes)
+        if self._socket is None:
+            return await self._inner.receive_some(max_bytes)
+        return await self._receive_direct(self._socket, RECEIVE_CHUNK_BYTES if max_bytes is None else max_bytes)
+
+    @staticmethod
+    async def _receive_direct(sock: trio.socket.SocketType, max_bytes: int) -> bytes:
+        """Up to `max_bytes` from the socket, waiting for it to be readable first: the peer
+        of a control socket mostly waits for an answer before it sends again, so trio's
+        receive, which reads first, fails with EAGAIN before nearly every message (a system
+        call per keystroke for nothing). Errors as trio's (closed: ClosedResourceError, any
+        other failure BrokenResourceError); b"" at the end of the stream."""
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except (OSError, ValueError) as exc:  # closed (its descriptor is -1, ValueError)
+                raise trio.ClosedResourceError("the socket was closed") from exc
+            try:
+                return os.read(sock.fileno(), max_bytes)
+            except BlockingIOError:
+                continue  # readable was reported, and another reader took it: wait again
+            except OSError as exc:
+                if exc.errno == errno.EBADF:
+                    raise trio.ClosedResourceError("the socket was already closed") from None
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     async def send_eof(self) -> None:
         await self._inner.send_eof()

@@ -116,9 +116,18 @@ class SocketSender:
         self._journal.subscribe(self.wake)
         try:
             with self._write_scope:
+                wrote = False
                 while True:
                     self._wake = trio.Event()
-                    if not await self._pass():
+                    if wrote and self._has_work():
+                        # A write that the socket takes at once does not yield (the edge's
+                        # stream writes directly): writing again straight after, as under a
+                        # replay or a burst, would keep every other task of the daemon
+                        # waiting. One pass of the event loop between such writes; none on a
+                        # keystroke's way (its pass after the write finds nothing and waits).
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    wrote = await self._pass()
+                    if not wrote:
                         await self._wake.wait()
             # The loop never ends by itself: here, the write deadline cancelled it.
             raise _Stalled
@@ -132,6 +141,10 @@ class SocketSender:
             self._journal.unsubscribe(self.wake)
             self.stopped = True
             self._progress.set()
+
+    def _has_work(self) -> bool:
+        """Something to write: a queued reply, or an event after the cursor."""
+        return self._reply_out.statistics().current_buffer_used > 0 or self.cursor < self._journal.last_seq
 
     async def _pass(self) -> bool:
         """Write every queued reply, then the next batch of events after the cursor, in as
@@ -237,10 +250,20 @@ async def send_messages(
                 deadline_scope.deadline = trio.current_time() + write_timeout_s
             chunk = pending[0] if len(pending) == 1 else b"".join(pending)
             pending, size = [], 0
-            async with ws._stream_lock:
-                try:
-                    await ws._stream.send_all(chunk)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    await ws._abort_web_socket()
-                    assert ws._close_reason is not None
-                    raise trio_websocket.ConnectionClosed(ws._close_reason) from None
+            lock = ws._stream_lock
+            try:
+                # A free lock is taken without a checkpoint (the usual case: the reader task
+                # writes only pongs and the close): `async with` would yield to the scheduler
+                # first, one more pass of the event loop on the way of every write. The write
+                # below is still a checkpoint (trio's send_all yields once it is done).
+                lock.acquire_nowait()
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
+                await ws._stream.send_all(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await ws._abort_web_socket()
+                assert ws._close_reason is not None
+                raise trio_websocket.ConnectionClosed(ws._close_reason) from None
+            finally:
+                lock.release()

@@ -74,8 +74,15 @@ class Journal:
         # retained event is replayed from there, the same whichever path serves it.
         if recent and max(recent[0].seq, self.pruned_through + 1) <= seq + 1 <= recent[-1].seq:
             start = seq + 1 - recent[0].seq
-            window = itertools.islice(recent, start, start + limit)
-            return list(window) if max_chars is None else take_within(window, max_chars)
+            stop = min(start + limit, len(recent))
+            if len(recent) - start <= start:
+                # Nearer the newest end (a sender that keeps up: the last frame or two of up
+                # to RECENT_FRAMES): walked from there, not past every older frame first.
+                window = list(itertools.islice(reversed(recent), len(recent) - stop, len(recent) - start))
+                window.reverse()
+            else:
+                window = list(itertools.islice(recent, start, stop))
+            return window if max_chars is None else take_within(window, max_chars)
         return self.store.rows_after(seq, limit, max_chars)
 
     def acknowledge(self, seq: int) -> int:
