@@ -333,6 +333,43 @@ async def test_writes_that_do_not_yield_still_let_other_tasks_run_between_them(t
         store.close()
 
 
+async def test_a_sender_kept_busy_by_writes_that_do_not_yield_stops_when_cancelled(tmp_path):
+    """The pass of the event loop between such writes is also where the connection's end
+    reaches the sender: cancelled after its first write, it stops there, instead of writing
+    the whole backlog first (a superseded socket under a long replay)."""
+    from sandbox_supervisor.daemon.session.sender import EVENT_BATCH
+
+    class NoYieldStream:
+        def __init__(self) -> None:
+            self.writes = 0
+            self.first = trio.Event()
+
+        async def send_all(self, data: bytes) -> None:
+            self.writes += 1  # taken at once, no checkpoint: as the edge's direct write
+            self.first.set()
+
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+    journal.append([("tool.result", tool_result(n)) for n in range(8 * EVENT_BATCH)])
+
+    async def body(ws, counted, client):
+        stream = NoYieldStream()
+        ws._stream = stream
+        sender = SocketSender(ws, journal, cursor=0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            await stream.first.wait()
+            nursery.cancel_scope.cancel()
+        ws._stream = counted  # the real stream again, for the close
+        assert sender.stopped
+        assert stream.writes < 8, stream.writes  # not the whole backlog
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
 async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full():
     """ReplayStream writes a socket without trio's pass of the event loop after a write the
     socket took at once; a full socket is waited on and every byte arrives in order; a closed

@@ -125,7 +125,10 @@ class SocketSender:
                         # replay or a burst, would keep every other task of the daemon
                         # waiting. One pass of the event loop between such writes; none on a
                         # keystroke's way (its pass after the write finds nothing and waits).
-                        await trio.lowlevel.cancel_shielded_checkpoint()
+                        # Not shielded: it is also where a connection's end (its cancellation)
+                        # reaches a sender that a fast reader keeps busy, as under a long replay
+                        # (the write deadline is cleared after each write, so it cannot fire here).
+                        await trio.lowlevel.checkpoint()
                     wrote = await self._pass()
                     if not wrote:
                         await self._wake.wait()
@@ -255,7 +258,8 @@ async def send_messages(
                 # A free lock is taken without a checkpoint (the usual case: the reader task
                 # writes only pongs and the close): `async with` would yield to the scheduler
                 # first, one more pass of the event loop on the way of every write. The write
-                # below is still a checkpoint (trio's send_all yields once it is done).
+                # below yields only when the socket is full (the edge writes directly:
+                # ReplayStream); the sender's loop yields between writes.
                 lock.acquire_nowait()
             except trio.WouldBlock:
                 await lock.acquire()
