@@ -290,18 +290,24 @@ async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a
     await with_pair(body)
 
 
+class NoYieldStream:
+    """A socket stream whose writes are taken at once, without a checkpoint: as the edge's
+    direct write (ReplayStream) when the socket has room."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.first = trio.Event()
+
+    async def send_all(self, data: bytes) -> None:
+        self.writes += 1
+        self.first.set()
+
+
 async def test_writes_that_do_not_yield_still_let_other_tasks_run_between_them(tmp_path):
     """The edge's socket writes do not yield when the socket takes everything at once; a
     sender with several batches to write (a replay) still gives way between its writes, so
     no other task of the daemon waits for the whole burst."""
     from sandbox_supervisor.daemon.session.sender import EVENT_BATCH
-
-    class NoYieldStream:
-        def __init__(self) -> None:
-            self.writes = 0
-
-        async def send_all(self, data: bytes) -> None:
-            self.writes += 1  # taken at once, no checkpoint: as the edge's direct write
 
     store = StateStore.open(tmp_path / "state")
     journal = Journal(store)
@@ -338,15 +344,6 @@ async def test_a_sender_kept_busy_by_writes_that_do_not_yield_stops_when_cancell
     reaches the sender: cancelled after its first write, it stops there, instead of writing
     the whole backlog first (a superseded socket under a long replay)."""
     from sandbox_supervisor.daemon.session.sender import EVENT_BATCH
-
-    class NoYieldStream:
-        def __init__(self) -> None:
-            self.writes = 0
-            self.first = trio.Event()
-
-        async def send_all(self, data: bytes) -> None:
-            self.writes += 1  # taken at once, no checkpoint: as the edge's direct write
-            self.first.set()
 
     store = StateStore.open(tmp_path / "state")
     journal = Journal(store)

@@ -18,7 +18,7 @@ import {
   type ExecOutputEvent,
   type SupervisorSession,
 } from "../src/index.js";
-import { daemon, FrameChecker, newSession, type Daemon } from "./support.js";
+import { daemon, FrameChecker, newSession, until, type Daemon } from "./support.js";
 
 const d = daemon();
 const skip = d === undefined ? "no daemon: run through tests/test_typescript_client.py" : false;
@@ -39,15 +39,6 @@ function outputText(callId: string): string {
     .join("");
 }
 
-async function until<T>(what: string, probe: () => T | undefined | false, timeoutMs = 15_000): Promise<T> {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = probe();
-    if (value) return value;
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
-}
 
 async function dropAndReconnect(s: SupervisorSession): Promise<number> {
   const before = s.connection!;

@@ -12,6 +12,8 @@ import { after, afterEach, test } from "node:test";
 
 import { WebSocketServer, type WebSocket } from "ws";
 
+import { until } from "./support.js";
+
 import {
   EventHandlerFailed,
   IdempotencyKeyReused,
@@ -28,15 +30,6 @@ import {
 
 const SESSION = "sess-fake";
 
-async function until<T>(what: string, probe: () => T | undefined | false, timeoutMs = 10_000): Promise<T> {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = probe();
-    if (value) return value;
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 5));
-  }
-}
 
 // An unhandled rejection would end a Node process without a test runner (the reviewer's
 // finding 1): every test here asserts that none happened.

@@ -12,21 +12,12 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import { CallNotStarted, CallOutcomeUnknown, MemoryStore, type ExecOutputEvent, type SupervisorSession } from "../src/index.js";
-import { daemon, FrameChecker, newSession, type Daemon } from "./support.js";
+import { daemon, FrameChecker, newSession, until, type Daemon } from "./support.js";
 
 const d = daemon();
 const pid = Number(process.env.SUPERVISOR_PID);
 const skip = d === undefined || !pid ? "no daemon to stop: run through tests/test_typescript_client.py" : false;
 
-async function until<T>(what: string, probe: () => T | undefined | false, timeoutMs = 15_000): Promise<T> {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const value = probe();
-    if (value) return value;
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((resolve) => setTimeout(resolve, 10));
-  }
-}
 
 // The session's generation counter, shared by every session of this file as replicas share
 // it in their store (docs/client-contract.md, "Generations").

@@ -11,6 +11,17 @@ import { jwkSigner, MemoryStore, SupervisorSession, type BootstrapBody, type End
 
 export const SCHEMA_DIR = process.env.SUPERVISOR_SCHEMAS ?? join(import.meta.dirname, "..", "..", "..", "..", "protocol", "schemas");
 
+/** The probe's first truthy value, polled every 10 ms; fails after `timeoutMs` naming `what`. */
+export async function until<T>(what: string, probe: () => T | undefined | false, timeoutMs = 15_000): Promise<T> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = probe();
+    if (value) return value;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 10));
+  }
+}
+
 /** Ajv in strict mode with its default options; a strict-mode warning fails like an error. */
 export function strictAjv(): Ajv2020 {
   const fail = (message: unknown): never => {
