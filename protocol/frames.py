@@ -740,11 +740,19 @@ def encode_stdin_ack(call_id: str, offset: int, next_offset: int, closed: bool, 
     checked as it checks them (its patterns admit no character JSON escapes), and anything
     the check does not pass goes through the model, which encodes it or raises as before."""
     if (
-        is_call_id(call_id)
+        type(call_id) is str  # not a subclass: its own formatting could differ from the model's
+        and is_call_id(call_id)
         and _count(offset)
         and _count(next_offset)
         and type(closed) is bool
-        and (request_id is None or (len(request_id) <= MAX_REQUEST_ID_CHARS and _REQUEST_ID_RE.fullmatch(request_id) is not None))
+        and (
+            request_id is None
+            or (
+                type(request_id) is str
+                and len(request_id) <= MAX_REQUEST_ID_CHARS
+                and _REQUEST_ID_RE.fullmatch(request_id) is not None
+            )
+        )
     ):
         tail = "}}" if request_id is None else f',"request_id":"{request_id}"}}}}'
         return (

@@ -144,6 +144,19 @@ def test_exec_output_refuses_what_the_model_refuses(seq, body) -> None:
         encode_event(EXEC_OUTPUT, seq, body)
 
 
+def test_stdin_ack_leaves_string_subclasses_to_the_model() -> None:
+    """A str subclass may format itself differently from its value (`__format__`): the direct
+    path takes plain strings only, and the model's bytes are the answer for anything else."""
+
+    class Odd(str):
+        def __format__(self, spec: str) -> str:
+            return "zz"
+
+    expected = generic(CALL_ID, 1, 2, False, "r1")
+    assert encode_stdin_ack(Odd(CALL_ID), 1, 2, False, "r1") == expected
+    assert encode_stdin_ack(CALL_ID, 1, 2, False, Odd("r1")) == expected
+
+
 def test_exec_output_leaves_a_text_subclass_to_the_model() -> None:
     class Text(str):
         pass

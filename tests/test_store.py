@@ -274,6 +274,32 @@ def test_a_rolled_back_append_leaves_no_gap_and_a_restart_no_reuse(state_dir: Pa
         assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [4]
 
 
+def test_a_commit_that_landed_but_reported_an_error_does_not_leave_a_stale_last_seq(
+    store: StateStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A COMMIT can fail after the commit landed (an I/O error variant): the in-memory last seq
+    must not stay behind the database, or every later append collides with a used seq."""
+    store.append_events([("tool.result", tool_result())], now=NOW)
+    real = store._idle_connection()
+
+    class CommitLandsThenFails:
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+        def execute(self, sql: str, *args: object) -> object:
+            result = real.execute(sql, *args)
+            if sql == "COMMIT":
+                raise sqlite3.OperationalError("disk I/O error (after the commit landed)")
+            return result
+
+    monkeypatch.setattr(store, "_idle_connection", lambda: CommitLandsThenFails())
+    with pytest.raises(StoreError):
+        store.append_events([("tool.result", tool_result())], now=NOW)
+    monkeypatch.undo()
+    assert store._conn.execute("SELECT MAX(seq) FROM events").fetchone()[0] == 2  # it landed
+    assert [row.seq for row in store.append_events([("tool.result", tool_result())], now=NOW)] == [3]
+
+
 def test_a_forgotten_newest_result_is_not_reused_after_a_restart(state_dir: Path) -> None:
     """An acked result that a record kept is deleted when the record is pruned: if it was
     the newest event, its seq must still never be assigned again."""

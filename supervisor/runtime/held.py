@@ -168,7 +168,7 @@ class HolderLink:
                     data = self._sock.recv(READ_CHUNK_BYTES)
                 except BlockingIOError:
                     continue
-                except (OSError, trio.ClosedResourceError):
+                except (OSError, ValueError, trio.ClosedResourceError):  # ValueError: closed (fd -1)
                     return
                 if not data:
                     return

@@ -722,6 +722,10 @@ class StateStore:
                     self._last_seq = self._journaled_through
             except BaseException as exc:
                 self._journaled_through = None
+                # Read the last seq again from the database next time: a COMMIT that reported
+                # an error may still have landed (or an exception came between it and the
+                # line above), and a stale value would make every later append collide.
+                self._last_seq = None
                 try:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
