@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, nullcontext
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,8 @@ from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
 from sandbox_supervisor.testing.client import http_request
-from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
+from sandbox_supervisor.testing.authority import LoopbackAuthority
+from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout
 from shell_support import rig_settings, shell_call
 
 DEADLINE_S = 10
@@ -476,13 +477,22 @@ def test_a_daemon_inside_its_cgroup_root_moves_into_a_leaf(tmp_path):
 # --- the daemon ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_the_daemon_reports_its_mode_and_a_stop_ends_escaped_children(tmp_path, authority, log_lines, mode):
+
+@contextmanager
+def layout_in_mode(
+    tmp_path: Path, authority: LoopbackAuthority, mode: str, exec_settings: dict[str, Any] | None = None
+) -> Iterator[DaemonLayout]:
+    """A daemon layout whose commands get cgroups in `mode`: a private cgroup2 mount (held
+    until the block ends) as `exec.cgroup_root`, or the machine's own hierarchy."""
     with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
-        settings: dict[str, Any] = {"kill_grace_ms": 300, "pids_max": 64}
+        settings = dict(exec_settings or {})
         if root is not None:
             settings["cgroup_root"] = str(root)
-        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+        yield make_layout(tmp_path / "d", authority=authority, exec=settings)
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_daemon_reports_its_mode_and_a_stop_ends_escaped_children(tmp_path, authority, log_lines, mode):
+    with layout_in_mode(tmp_path, authority, mode, {"kill_grace_ms": 300, "pids_max": 64}) as layout:
         async with in_process_daemon(layout) as daemon:
             health = json.loads((await http_request(daemon.tcp, "GET", "/healthz")).body)
             assert health["isolation"]["mode"] == mode
@@ -526,12 +536,12 @@ async def test_cgroup_off_reports_process_groups(tmp_path, authority):
 # --- cgroups removed from outside while the daemon runs ----------------------------------------
 
 
-def daemon_bases(mode: str, root: Path | None, state_dir: Path) -> list[Path]:
+def daemon_bases(mode: str, layout: DaemonLayout) -> list[Path]:
     """The daemon's base directories (runtime/cgroups.py base_name), in each hierarchy."""
-    name = cgroups.base_name(state_dir)
+    name = cgroups.base_name(layout.state_dir)
     if mode == "cgroup2":
-        assert root is not None
-        return [root / name]
+        root = layout.settings["exec"]["cgroup_root"]  # the private mount (layout_in_mode)
+        return [Path(root) / name]
     return [Path(parent) / name for parent in auto_mode().v1_parents.values() if (Path(parent) / name).is_dir()]
 
 
@@ -547,17 +557,13 @@ async def test_a_base_removed_from_outside_between_commands_is_made_again(tmp_pa
     """Between commands the daemon's base directory is empty, and root's clean-up of empty
     `sandbox-supervisor.*` directories (tests/conftest.py's, before it was limited to the
     suite's own) took it: every later spawn failed `internal` `No such file or directory`."""
-    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
-        settings: dict[str, Any] = {"pids_max": 64}
-        if root is not None:
-            settings["cgroup_root"] = str(root)
-        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+    with layout_in_mode(tmp_path, authority, mode, {"pids_max": 64}) as layout:
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
                 first = await session.call_and_wait("execute_shell_command", {"command": "true"}, idempotency_key="k1")
                 assert first["ok"], first
-                bases = daemon_bases(mode, root, layout.state_dir)
+                bases = daemon_bases(mode, layout)
                 assert bases
                 await wait_childless(bases)
                 remove_empty(set(bases))  # the outside clean-up
@@ -591,11 +597,7 @@ async def test_a_command_cgroup_removed_before_the_join_is_made_again(tmp_path, 
         return await original(cls, host, call_id, directory, spec, cgroup)
 
     monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
-    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
-        settings: dict[str, Any] = {}
-        if root is not None:
-            settings["cgroup_root"] = str(root)
-        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+    with layout_in_mode(tmp_path, authority, mode) as layout:
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
@@ -626,11 +628,7 @@ async def test_a_cgroup_removed_on_every_attempt_frees_the_key(tmp_path, authori
         return await original(cls, host, call_id, directory, spec, cgroup)
 
     monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
-    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
-        settings: dict[str, Any] = {}
-        if root is not None:
-            settings["cgroup_root"] = str(root)
-        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+    with layout_in_mode(tmp_path, authority, mode) as layout:
         marker = layout.workspace / "ran"
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
@@ -660,11 +658,7 @@ async def _held_completed(session, call_id: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_timeout(tmp_path, authority, mode):
-    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
-        settings: dict[str, Any] = {"kill_grace_ms": 300}
-        if root is not None:
-            settings["cgroup_root"] = str(root)
-        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+    with layout_in_mode(tmp_path, authority, mode, {"kill_grace_ms": 300}) as layout:
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
@@ -704,11 +698,7 @@ async def test_a_held_process_killed_by_its_memory_limit_says_so(tmp_path, autho
 async def test_a_stop_ends_what_an_ended_held_process_left_in_its_cgroup(tmp_path, authority, mode):
     """The process exited, but a child it started with setsid runs on (and keeps its holder,
     which owns the pipes, alive): a stop ends the child too, as it does a command's."""
-    with private_cgroup2() if mode == "cgroup2" else nullcontext() as root:
-        settings: dict[str, Any] = {"kill_grace_ms": 300}
-        if root is not None:
-            settings["cgroup_root"] = str(root)
-        layout = make_layout(tmp_path / "d", authority=authority, exec=settings)
+    with layout_in_mode(tmp_path, authority, mode, {"kill_grace_ms": 300}) as layout:
         leaves = "setsid -f sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped.pid; exec sleep 300'; exit 0"
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
