@@ -23,7 +23,9 @@ a JWKS file from a `LoopbackAuthority`, a unix socket and a TCP port 0 on loopba
   expected to exit at once, or to wait for `READY=1` yourself). A daemon that exits before
   listening raises `DaemonExitedEarly` (with its exit status and log); one whose stop times
   out is killed and raises `DaemonStopTimeout` (unless the body's own exception is already
-  on its way out, which then is the one you see).
+  on its way out, which then is the one you see). A run whose log holds a crash the daemon
+  contained (`BUG_EVENTS`: a connection's or socket's handler failed) raises
+  `DaemonLoggedBug` on leaving: the body passed, but the daemon hid a bug from it.
 
 Use `DaemonProcess` by hand only for what these do not cover.
 """
@@ -67,6 +69,19 @@ class DaemonExitedEarly(RuntimeError):
         super().__init__(f"daemon exited with {returncode} before listening:\n{log}")
         self.returncode = returncode
         self.log = log
+
+
+# Events the daemon logs only for a bug it contained (a crashed connection or socket handler):
+# a test that saw one passed by luck, so leaving `running_daemon` fails on them.
+BUG_EVENTS = frozenset({"connection.crashed", "socket.crashed"})
+
+
+class DaemonLoggedBug(RuntimeError):
+    """The daemon logged an event of BUG_EVENTS while it ran."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        super().__init__(f"the daemon logged {len(events)} contained crash(es); the first:\n{json.dumps(events[0], indent=1)}")
+        self.events = events
 
 
 class DaemonStopTimeout(RuntimeError):
@@ -363,3 +378,5 @@ async def running_daemon(
         raise
     if not await _stop_or_kill(process, stop_timeout):
         raise DaemonStopTimeout(stop_timeout, process.log_text())
+    if bugs := [event for event in process.log_events() if event.get("event") in BUG_EVENTS]:
+        raise DaemonLoggedBug(bugs)

@@ -224,6 +224,44 @@ async def test_the_log_names_the_close_the_websocket_library_made(tmp_path, auth
     assert (closed[0]["code"], closed[0]["reason"]) == (1009, "Exceeded maximum message size: 131072 bytes")
 
 
+async def test_connections_ending_every_way_leave_no_crash_in_the_log(tmp_path, authority):
+    """Closed sockets report -1 as their descriptor; a reader waiting on one once poisoned
+    trio's registrations, and every later connection crashed at its close with a logged
+    traceback (supervisor/fd_wait.py). Ends here: the client's close, a newer connection
+    superseding, the peer vanishing without a close, on TCP and unix, several times each."""
+    layout = make_layout(tmp_path / "d", authority=authority)
+    async with running_daemon(layout) as process:
+        running = process.running
+        client = running.client()
+        ended = 0
+        for endpoint in (running.tcp, running.unix):
+            state, client = client.state, running.client(endpoint)
+            client.state = state  # one control plane's generations, over either listener
+            for _ in range(3):
+                async with client.connect() as session:  # closed by the client, 1000
+                    await session.bootstrap(cwd=str(layout.workspace))
+                ended += 1
+            async with client.connect() as old:
+                await old.bootstrap(cwd=str(layout.workspace))
+                async with client.connect() as new:  # supersedes `old`
+                    await new.bootstrap(cwd=str(layout.workspace))
+                    assert (await old.closed_reason()).code != 1000
+                ended += 2
+            for _ in range(2):
+                async with client.connect() as session:  # the peer vanishes: no close frame
+                    await session.bootstrap(cwd=str(layout.workspace))
+                    await trio.aclose_forcefully(session.ws._stream)
+                ended += 1
+        with trio.fail_after(10):
+            while len([e for e in process.log_events() if e.get("event") == "socket.closed"]) < ended:
+                await trio.sleep(0.02)
+        # A last connection after all of them still works.
+        async with client.connect() as session:
+            assert (await session.bootstrap(cwd=str(layout.workspace)))["kind"] == "runtime.state"
+    errors = [e for e in process.log_events() if e.get("level") == "error"]
+    assert errors == []
+
+
 async def test_binary_frame_after_bootstrap_closes_1003(daemon, transport):
     async with daemon.client(endpoint_of(daemon, transport)).connect() as session:
         await session.bootstrap(cwd=str(daemon.layout.workspace))

@@ -24,6 +24,7 @@ import trio
 import trio_websocket
 
 from sandbox_supervisor.protocol.addresses import format_host_port, parse_host_port
+from sandbox_supervisor.daemon import fd_wait
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
 
@@ -359,10 +360,7 @@ class ReplayStream(trio.abc.HalfCloseableStream):
                 try:
                     sent += os.write(sock.fileno(), view[sent:])
                 except BlockingIOError:
-                    try:
-                        await trio.lowlevel.wait_writable(sock)
-                    except (OSError, ValueError) as exc:  # closed (its descriptor is -1, ValueError)
-                        raise trio.ClosedResourceError("the socket was closed") from exc
+                    await fd_wait.wait_writable(sock)  # closed: ClosedResourceError
                 except OSError as exc:
                     if exc.errno == errno.EBADF:  # fileno() is -1 once the socket is closed
                         raise trio.ClosedResourceError("the socket was already closed") from None
@@ -391,10 +389,7 @@ class ReplayStream(trio.abc.HalfCloseableStream):
         call per keystroke for nothing). Errors as trio's (closed: ClosedResourceError, any
         other failure BrokenResourceError); b"" at the end of the stream."""
         while True:
-            try:
-                await trio.lowlevel.wait_readable(sock)
-            except (OSError, ValueError) as exc:  # closed (its descriptor is -1, ValueError)
-                raise trio.ClosedResourceError("the socket was closed") from exc
+            await fd_wait.wait_readable(sock)  # closed: ClosedResourceError
             try:
                 return os.read(sock.fileno(), max_bytes)
             except BlockingIOError:

@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 import trio
 
+from sandbox_supervisor.daemon import fd_wait
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED
@@ -148,7 +149,7 @@ class HolderLink:
                 view = view[self._sock.send(view) :]
             except BlockingIOError:
                 try:
-                    await trio.lowlevel.wait_writable(self._sock)
+                    await fd_wait.wait_writable(self._sock)
                 except trio.ClosedResourceError:
                     raise HolderGone() from None
             except OSError:  # EPIPE, ECONNRESET: the holder is gone; EBADF: the link closed
@@ -164,11 +165,11 @@ class HolderLink:
                 try:
                     # Waited on first: after the previous message the socket is nearly always
                     # empty, and a read to learn that is a system call for nothing.
-                    await trio.lowlevel.wait_readable(self._sock)
+                    await fd_wait.wait_readable(self._sock)
                     data = self._sock.recv(READ_CHUNK_BYTES)
                 except BlockingIOError:
                     continue
-                except (OSError, ValueError, trio.ClosedResourceError):  # ValueError: closed (fd -1)
+                except (OSError, trio.ClosedResourceError):
                     return
                 if not data:
                     return
