@@ -72,9 +72,11 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
-        # PrintLogger only print()s to its file, which needs write and flush alone: the
-        # cast states that _SafeWriter is enough of a TextIO for that.
-        logger_factory=structlog.PrintLoggerFactory(
+        # WriteLogger writes the line with its newline in one call (PrintLogger's print()
+        # makes two, and so two system calls on the unbuffered file a service's stderr is),
+        # then flushes: write and flush alone, so the cast states that _SafeWriter is enough
+        # of a TextIO for that.
+        logger_factory=structlog.WriteLoggerFactory(
             file=cast(TextIO, _SafeWriter(stream or sys.stderr))
         ),
         cache_logger_on_first_use=False,
