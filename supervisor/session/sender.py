@@ -277,11 +277,15 @@ async def send_messages(
         # send raises LocalProtocolError instead of the ConnectionClosed callers expect.
         if ws._close_reason:
             raise trio_websocket.ConnectionClosed(ws._close_reason)
+        if pending and _frames_directly(ws, text):
+            # What was ready before it goes first, in its own write; then the connection is
+            # looked at again, as a Close may have arrived meanwhile.
+            await _write(ws, pending[0] if len(pending) == 1 else b"".join(pending), deadline_scope, write_timeout_s)
+            pending, size = [], 0
+            if ws._close_reason:
+                raise trio_websocket.ConnectionClosed(ws._close_reason)
         if _frames_directly(ws, text):
             assert isinstance(text, bytes)
-            if pending:  # what was ready before it goes first, in its own write
-                await _write(ws, pending[0] if len(pending) == 1 else b"".join(pending), deadline_scope, write_timeout_s)
-                pending, size = [], 0
             await _write(ws, binary_frame_header(len(text)), deadline_scope, write_timeout_s, more=text)
             continue
         message = wsproto.events.BytesMessage(data=text) if isinstance(text, bytes) else wsproto.events.TextMessage(data=text)
