@@ -25,6 +25,7 @@ from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
 
 DEADLINE_S = 10
+POLL_S = 0.001
 LIMITS = OutputLimits(throttle_ms=10, max_chunk_bytes=4096, buffer_bytes=65536, spool_max_bytes=1 << 24)
 
 
@@ -114,7 +115,7 @@ async def test_a_read_that_waits_for_a_prune_keeps_its_bytes_while_another_strea
                 os.write(err_w, err)
                 os.close(err_w)
                 while not streams["stderr"].closed:  # stderr read and ended meanwhile
-                    await trio.sleep(0.001)
+                    await trio.sleep(POLL_S)
                 budget.release.set()
                 await output.closed.wait()
                 output.complete()
