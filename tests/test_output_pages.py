@@ -134,6 +134,8 @@ class _HeldSocket:
         self._stream_lock = trio.Lock()
         self._wsproto = self
         self._stream = self
+        # No wsproto connection to look at: the sender frames every message through send().
+        self.connection = None
 
     def send(self, event: object) -> bytes:
         data = event.data  # type: ignore[attr-defined]

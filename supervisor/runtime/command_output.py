@@ -16,9 +16,12 @@ record); this module is the trio plumbing between a pair of pipes and them.
 
 from __future__ import annotations
 
+import errno
 import functools
+import mmap
 import os
 import sys
+import threading
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,7 @@ import trio
 from sandbox_supervisor.protocol.fields import STREAMS, Stream
 from sandbox_supervisor.protocol.frames import EXEC_OUTPUT
 from sandbox_supervisor.daemon.runtime.output import LiveOutput, OutputChunk, StreamHeadTail
+from sandbox_supervisor.daemon.runtime.holder import OUTPUT_PIPE_BYTES
 from sandbox_supervisor.daemon.runtime.holder_protocol import EXIT_FILE, SPEC_FILE
 from sandbox_supervisor.daemon.runtime.spool import (
     SpoolWriter,
@@ -45,6 +49,7 @@ from sandbox_supervisor.daemon.state.store import StoreError
 
 __all__ = [
     "CLOCK_EPSILON_S",
+    "DRAIN_BYTES_PER_CHECKPOINT",
     "READ_CHUNK_BYTES",
     "CommandOutput",
     "NO_LIMIT",
@@ -59,7 +64,12 @@ __all__ = [
 
 log = structlog.get_logger("supervisor.shell")
 
-READ_CHUNK_BYTES = 64 * 1024
+# One read takes what a full output pipe holds (holder.open_stdio sizes it): a command that
+# prints faster than the daemon spools costs one loop turn per pipeful, not one per 64 KiB.
+READ_CHUNK_BYTES = OUTPUT_PIPE_BYTES
+# A reader whose reads keep coming back full (the pipe refills as fast as it is read) lets
+# the other tasks run after this many bytes: about a millisecond of spooling at a time.
+DRAIN_BYTES_PER_CHECKPOINT = 4 * READ_CHUNK_BYTES
 # Added to a throttle window's end before sleeping until it: due() compares in ms, the clock
 # is in s, and waking a rounding error early would loop once for nothing.
 CLOCK_EPSILON_S = 1e-6
@@ -111,7 +121,7 @@ class StreamOutput:
         self.closed = False  # the pipe reached its end (or its reader stopped)
         self.budget = budget  # all spools' cap, which this stream's kept bytes count against
 
-    def feed(self, data: bytes) -> int:
+    def feed(self, data: bytes | memoryview) -> int:
         """Bytes the spool kept (fewer than fed past its cap, past all spools' cap when the
         budget is full, or on a disk error)."""
         budget = self.budget
@@ -124,7 +134,7 @@ class StreamOutput:
         budget.bytes += kept
         return kept
 
-    def _feed(self, data: bytes) -> int:
+    def _feed(self, data: bytes | memoryview) -> int:
         kept = self.spool.write(data)
         self.summary.feed(data)
         self.live.feed(data)
@@ -268,23 +278,11 @@ class CommandOutput:
     async def _read(self, name: Stream, pipe: trio.abc.ReceiveStream) -> None:
         stream = self.streams[name]
         try:
-            while True:
-                # bytes() of a bytes object is that object: no copy for trio's pipes.
-                data = bytes(await pipe.receive_some(READ_CHUNK_BYTES))
-                if not data:
-                    break
-                budget = stream.budget
-                # (A stream that already drops everything keeps nothing: no room to make.)
-                if budget is not None and budget.bytes + len(data) > budget.prune_at and not stream.spool.truncated:
-                    # Past the cap: first delete finished spools to make room for these
-                    # bytes, then keep them (or what fits, when the budget is full). The
-                    # reader waits for the prune, so nothing passes the cap while the disk
-                    # is scanned.
-                    await budget.prune(need=len(data))
-                kept = stream.feed(data)
-                if self._telemetry is not None:
-                    self._telemetry.output_spooled(kept)
-                self._wake.set()
+            if isinstance(pipe, trio.lowlevel.FdStream):
+                await self._read_fd(stream, pipe.fileno())
+            else:
+                while data := bytes(await pipe.receive_some(READ_CHUNK_BYTES)):
+                    await self._take(stream, data)
         finally:
             stream.closed = True
             stream.spool.close()
@@ -293,6 +291,55 @@ class CommandOutput:
                 self.closed.set()
                 self._wake.set()
                 self._check_drained()
+
+    async def _read_fd(self, stream: StreamOutput, fd: int) -> None:
+        """FdStream.receive_some's loop without its costs per read: the bytes land in this
+        thread's reused buffer (`_read_buffer`) instead of a new object, a short read (the
+        pipe is drained) waits for the pipe at once instead of reading EAGAIN first, and a
+        full one is followed by the next read without a pass of the scheduler, up to
+        DRAIN_BYTES_PER_CHECKPOINT. The same errors as receive_some's."""
+        view = _read_buffer()
+        await trio.lowlevel.checkpoint()
+        since_checkpoint = 0
+        while True:
+            try:
+                count = os.readv(fd, [view])
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(fd)
+                since_checkpoint = 0
+                continue
+            except OSError as exc:
+                if exc.errno == errno.EBADF:
+                    raise trio.ClosedResourceError("file was already closed") from None
+                raise trio.BrokenResourceError from exc
+            if not count:
+                return
+            # The buffer is reused by the next read (of any stream): _take uses it only
+            # until its first await, and copies it before one.
+            await self._take(stream, view[:count])
+            since_checkpoint += count
+            if count < len(view):
+                await trio.lowlevel.wait_readable(fd)  # most likely empty now: wait for more
+                since_checkpoint = 0
+            elif since_checkpoint >= DRAIN_BYTES_PER_CHECKPOINT:
+                await trio.lowlevel.checkpoint()
+                since_checkpoint = 0
+
+    async def _take(self, stream: StreamOutput, data: bytes | memoryview) -> None:
+        """Keep one read's bytes: spool, summary, live view. Awaits only for a prune, and
+        `data` is used only before that (a view of the shared read buffer is copied first)."""
+        budget = stream.budget
+        # (A stream that already drops everything keeps nothing: no room to make.)
+        if budget is not None and budget.bytes + len(data) > budget.prune_at and not stream.spool.truncated:
+            # Past the cap: first delete finished spools to make room for these bytes, then
+            # keep them (or what fits, when the budget is full). The reader waits for the
+            # prune, so nothing passes the cap while the disk is scanned.
+            data = bytes(data)  # the shared read buffer is another reader's while this waits
+            await budget.prune(need=len(data))
+        kept = stream.feed(data)
+        if self._telemetry is not None:
+            self._telemetry.output_spooled(kept)
+        self._wake.set()
 
     async def _flush_live(self) -> None:
         """Emit throttled exec.output events until the call has completed and both streams
@@ -335,6 +382,20 @@ class CommandOutput:
             # The live view is lossy by design: the bytes are in the spool, and the next
             # event's offset shows the gap, so a full disk costs events, not the daemon.
             log.warning("exec.output_not_journaled", call_id=self.call_id, events=len(events))
+
+
+_thread_local = threading.local()
+
+
+def _read_buffer() -> memoryview:
+    """This thread's read buffer (the event loop's): every command's readers read into it in
+    turn, each using the bytes before its next await, so reading costs no allocation per
+    read nor per command. An anonymous mapping, not a bytearray: its pages become memory
+    only as reads reach them (commands that print little touch one)."""
+    view: memoryview | None = getattr(_thread_local, "view", None)
+    if view is None:
+        view = _thread_local.view = memoryview(mmap.mmap(-1, READ_CHUNK_BYTES))
+    return view
 
 
 def spool_in_use(state_dir: str | os.PathLike[str], call_id: str) -> bool:

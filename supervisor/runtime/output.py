@@ -132,7 +132,8 @@ class LiveOutput:
             raise ValueError("skip_to before the first feed only")
         self._offset = offset
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
+        """`data` is used only during the call (the reader passes a view of its buffer)."""
         if not data:
             return
         dropped_before = self._dropped
@@ -241,7 +242,8 @@ class StreamHeadTail:
         self._tail = bytearray()
         self._total = 0
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
+        """`data` is used only during the call, as in LiveOutput.feed."""
         if len(self._head) < self._limit:
             self._head += data[: self._limit - len(self._head)]
         self._total += len(data)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import trio
 import trio_websocket
 import wsproto.events
+import wsproto.connection
 import wsproto.utilities
 
 from sandbox_supervisor.daemon.state.journal import Journal
@@ -43,6 +44,41 @@ DEFAULT_WRITE_TIMEOUT_S = 60.0
 # is a write of its own): few system calls for a burst, while the write timeout still
 # measures a peer's progress in steps this small.
 WRITE_BATCH_MAX_BYTES = 256 * 1024
+# A binary message at least this long (a binary exec.output_page, up to 1 MiB) is framed here
+# and written as its frame header then its payload, not through wsproto, whose send copies
+# the payload four times (bytearray(payload), header + payload, bytearray(...), b"" + ...):
+# that was half the daemon's CPU while paging. Smaller ones are not worth a write of their own.
+DIRECT_BINARY_MIN_BYTES = 64 * 1024
+_FIN_BINARY = 0x82  # FIN and opcode 2, no RSV bits (RFC 6455 §5.2)
+_LENGTH_7_MAX = 125
+_LENGTH_16 = 126
+_LENGTH_64 = 127
+
+
+def binary_frame_header(length: int) -> bytes:
+    """The header of a final, unmasked binary frame of `length` bytes (a server's: servers do
+    not mask), with the shortest length encoding, as wsproto writes it."""
+    if length <= _LENGTH_7_MAX:
+        return bytes((_FIN_BINARY, length))
+    if length <= 0xFFFF:
+        return bytes((_FIN_BINARY, _LENGTH_16)) + length.to_bytes(2, "big")
+    return bytes((_FIN_BINARY, _LENGTH_64)) + length.to_bytes(8, "big")
+
+
+def _frames_directly(ws: trio_websocket.WebSocketConnection, text: str | bytes) -> bool:
+    """Whether `text` can skip wsproto: a large binary message on an open server connection
+    with no extension (one would change the frame: compression, RSV bits) and no message
+    in progress (the sender only sends whole messages, so there never is one)."""
+    if not isinstance(text, bytes) or len(text) < DIRECT_BINARY_MIN_BYTES:
+        return False
+    connection = ws._wsproto.connection
+    return (
+        connection is not None
+        and connection.state is wsproto.connection.ConnectionState.OPEN
+        and not connection.client
+        and not connection._proto.extensions
+        and connection._proto._outbound_opcode is None
+    )
 
 
 class _Stalled(Exception):
@@ -241,6 +277,17 @@ async def send_messages(
         # send raises LocalProtocolError instead of the ConnectionClosed callers expect.
         if ws._close_reason:
             raise trio_websocket.ConnectionClosed(ws._close_reason)
+        if pending and _frames_directly(ws, text):
+            # What was ready before it goes first, in its own write; then the connection is
+            # looked at again, as a Close may have arrived meanwhile.
+            await _write(ws, pending[0] if len(pending) == 1 else b"".join(pending), deadline_scope, write_timeout_s)
+            pending, size = [], 0
+            if ws._close_reason:
+                raise trio_websocket.ConnectionClosed(ws._close_reason)
+        if _frames_directly(ws, text):
+            assert isinstance(text, bytes)
+            await _write(ws, binary_frame_header(len(text)), deadline_scope, write_timeout_s, more=text)
+            continue
         message = wsproto.events.BytesMessage(data=text) if isinstance(text, bytes) else wsproto.events.TextMessage(data=text)
         try:
             data = ws._wsproto.send(message)
@@ -249,25 +296,40 @@ async def send_messages(
         pending.append(data)
         size += len(data)
         if size >= WRITE_BATCH_MAX_BYTES or index == len(texts) - 1:
-            if deadline_scope is not None:
-                deadline_scope.deadline = trio.current_time() + write_timeout_s
             chunk = pending[0] if len(pending) == 1 else b"".join(pending)
             pending, size = [], 0
-            lock = ws._stream_lock
-            try:
-                # A free lock is taken without a checkpoint (the usual case: the reader task
-                # writes only pongs and the close): `async with` would yield to the scheduler
-                # first, one more pass of the event loop on the way of every write. The write
-                # below yields only when the socket is full (the edge writes directly:
-                # ReplayStream); the sender's loop yields between writes.
-                lock.acquire_nowait()
-            except trio.WouldBlock:
-                await lock.acquire()
-            try:
-                await ws._stream.send_all(chunk)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                await ws._abort_web_socket()
-                assert ws._close_reason is not None
-                raise trio_websocket.ConnectionClosed(ws._close_reason) from None
-            finally:
-                lock.release()
+            await _write(ws, chunk, deadline_scope, write_timeout_s)
+
+
+async def _write(
+    ws: trio_websocket.WebSocketConnection,
+    chunk: bytes,
+    deadline_scope: trio.CancelScope | None,
+    write_timeout_s: float,
+    *,
+    more: bytes = b"",
+) -> None:
+    """One write of `chunk` (then `more`, under the same lock and deadline: a frame's header
+    and its payload) to the stream, as trio-websocket's `_send` does it."""
+    if deadline_scope is not None:
+        deadline_scope.deadline = trio.current_time() + write_timeout_s
+    lock = ws._stream_lock
+    try:
+        # A free lock is taken without a checkpoint (the usual case: the reader task
+        # writes only pongs and the close): `async with` would yield to the scheduler
+        # first, one more pass of the event loop on the way of every write. The write
+        # below yields only when the socket is full (the edge writes directly:
+        # ReplayStream); the sender's loop yields between writes.
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+    try:
+        await ws._stream.send_all(chunk)
+        if more:
+            await ws._stream.send_all(more)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await ws._abort_web_socket()
+        assert ws._close_reason is not None
+        raise trio_websocket.ConnectionClosed(ws._close_reason) from None
+    finally:
+        lock.release()
