@@ -17,6 +17,7 @@ twice, none skipped (a gap would show as the next event's offset, as for any dro
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -127,18 +128,33 @@ class HolderLink:
         if self.closed.is_set():
             raise HolderGone()
         await self._send_all(line)
-        with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
-            try:
-                return await self._reply_receive.receive()
-            except trio.EndOfChannel:
-                raise HolderGone() from None
         try:
-            self._reply_receive.receive_nowait()  # it came as the wait ended: not stale
-        except trio.WouldBlock:
-            self._abandoned += 1
+            with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
+                try:
+                    return await self._reply_receive.receive()
+                except trio.EndOfChannel:
+                    raise HolderGone() from None
+        except trio.Cancelled:
+            # The requester's own end (its socket superseded or closed while the holder was
+            # slow): the holder has the request and answers it all the same, and that answer
+            # must not be taken for the next request's (every later answer would be one off).
+            with contextlib.suppress(trio.EndOfChannel):
+                self._give_up_reply()
+            raise
+        try:
+            self._give_up_reply()
         except trio.EndOfChannel:
             raise HolderGone() from None
         raise HolderSlow()
+
+    def _give_up_reply(self) -> None:
+        """Stop waiting for the answer to the request in flight: taken now if it came as the
+        wait ended, else counted, so the reader drops it when it comes. EndOfChannel: the
+        link is gone."""
+        try:
+            self._reply_receive.receive_nowait()
+        except trio.WouldBlock:
+            self._abandoned += 1
 
     async def _send_all(self, line: bytes) -> None:
         """Write the whole line, waiting only while the socket is full (a request is a line
