@@ -8,14 +8,19 @@ import base64
 import contextlib
 import os
 import signal
+import socket
 from collections.abc import Callable
 
 import trio
+import trio.testing
 
-from sandbox_supervisor.daemon.runtime.holder_protocol import read_holder
+from sandbox_supervisor.daemon.runtime.held import HolderLink
+from sandbox_supervisor.daemon.runtime.holder_protocol import MAX_LINE_BYTES, Reply, encode_watch, read_holder
 from sandbox_supervisor.daemon.runtime.spool import spool_dir
 
 DEADLINE_S = 20
+# The daemon's end of a holder link in the tests that fill it: small, so a line is cut.
+LINK_SEND_BUFFER = 16 * 1024
 
 
 async def until(condition: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
@@ -43,6 +48,7 @@ async def test_a_stdin_request_cut_off_by_a_newer_connection_does_not_shift_late
         assert holder is not None
         link = daemon.supervisor.processes.processes[call_id].link
         assert link is not None
+        await until(lambda: not link._lock.locked())  # the link's own first request answered
         os.kill(holder.holder_pid, signal.SIGSTOP)  # the holder answers nothing for now
         try:
             body = {"call_id": call_id, "offset": 0, "data": base64.b64encode(b"a\n").decode(), "request_id": "r-cut"}
@@ -62,3 +68,51 @@ async def test_a_stdin_request_cut_off_by_a_newer_connection_does_not_shift_late
         finally:
             with contextlib.suppress(ProcessLookupError):  # ended with its process
                 os.kill(holder.holder_pid, signal.SIGCONT)
+
+
+
+async def test_a_request_line_cut_short_by_a_cancellation_is_finished_before_the_next_one():
+    """A request line the socket does not take at once is written in parts, and the requester
+    may be cancelled between them (its control socket superseded while the holder is slow).
+    The holder has the line's start: the rest must follow before the next request's line, or
+    the two make one garbled line (the first one's stdin never written, the second answered
+    with an error), and the cut request's answer must not be taken for the next one's."""
+    daemon_end, holder_end = socket.socketpair()
+    daemon_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, LINK_SEND_BUFFER)
+    link = HolderLink(daemon_end)
+    holder = trio.socket.from_stdlib_socket(holder_end)
+    # A request line as long as a holder takes: far more than the socket's buffer.
+    cut = b'{"op":"stdin","pad":"' + b"a" * (MAX_LINE_BYTES - 32) + b'"}\n'
+    whole = encode_watch()
+    answers: list[Reply] = []
+    try:
+        with trio.fail_after(DEADLINE_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(link.run, lambda _event: None)
+                with trio.CancelScope() as first:
+
+                    async def cancel_once_blocked() -> None:
+                        await trio.testing.wait_all_tasks_blocked()  # the line is in part written
+                        first.cancel()
+
+                    nursery.start_soon(cancel_once_blocked)
+                    await link.request(cut)
+                assert first.cancelled_caught
+
+                async def second() -> None:
+                    answers.append(await link.request(whole))
+
+                nursery.start_soon(second)
+                received = bytearray()
+                while received.count(b"\n") < 2:
+                    with trio.move_on_after(0.5) as quiet:  # the link sent all it will: no line ends
+                        received += await holder.recv(65536)
+                    assert not quiet.cancelled_caught, f"the lines stopped short: {len(received)} bytes"
+                assert bytes(received) == cut + whole
+                await holder.send(b'{"n":1,"ok":true}\n{"n":2,"ok":true}\n')
+                await until(lambda: bool(answers))
+                nursery.cancel_scope.cancel()
+        assert answers[0].fields == {"n": 2}  # the second request's answer, not the cut one's
+    finally:
+        await link.aclose()
+        holder.close()
