@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -116,3 +117,33 @@ async def test_a_request_line_cut_short_by_a_cancellation_is_finished_before_the
     finally:
         await link.aclose()
         holder.close()
+
+
+async def test_a_socket_whose_peer_left_while_replies_waited_for_room_is_closed_at_once(daemon):
+    """A client that sends requests without reading fills the socket, then the reply queue:
+    the socket's reader waits for room (back-pressure). When the peer then goes, the sender's
+    write fails and the sender stops; the reader must not wait for room that no one will ever
+    make, or the socket's task and descriptor stay until a newer connection or the stop (the
+    idle timeout cannot end it: its ping fails on the closed WebSocket, and it returns)."""
+    client = daemon.client(daemon.unix)
+    async with client.connect() as session:
+        await session.bootstrap(cwd=str(daemon.layout.workspace))
+        hub = daemon.supervisor.sessions.hub
+        conn = hub.authoritative
+        assert conn is not None and conn.sender is not None
+        sender = conn.sender
+        unknown = "0b7e5d0c-0000-4000-8000-000000000001"
+        async with trio.open_nursery() as nursery:
+
+            async def flood() -> None:
+                for number in itertools.count():
+                    body = {"call_id": unknown, "stream": "stdout", "offset": 0, "length": 1, "request_id": f"r{number}"}
+                    await session.send("exec.read_output", body)
+
+            nursery.start_soon(flood)
+            # The queue is full and a reply waits for room: the daemon reads no more requests.
+            await until(lambda: sender._reply_in.statistics().tasks_waiting_send > 0)
+            nursery.cancel_scope.cancel()
+        await trio.aclose_forcefully(session.ws._stream)  # the peer goes
+        await until(lambda: sender.stopped)  # its write failed
+        await until(lambda: conn not in hub.open)
