@@ -10,8 +10,10 @@ import itertools
 import os
 import signal
 import socket
+import sqlite3
 from collections.abc import Callable
 
+import pytest
 import trio
 import trio.testing
 
@@ -147,3 +149,41 @@ async def test_a_socket_whose_peer_left_while_replies_waited_for_room_is_closed_
         await trio.aclose_forcefully(session.ws._stream)  # the peer goes
         await until(lambda: sender.stopped)  # its write failed
         await until(lambda: conn not in hub.open)
+
+
+def test_the_journals_memory_serves_no_batch_across_a_gap(tmp_path, monkeypatch):
+    """A COMMIT can report an error after it landed (the store then reads its last seq again:
+    tests/test_store.py). The journal was told the append failed, so its in-memory window
+    lacks those events and the next append leaves a hole in it; the window is read as dense
+    by position, so a sender at the hole's start was served the event after it, and the
+    landed events were never sent on that socket."""
+    from sandbox_supervisor.daemon.state.journal import Journal
+    from sandbox_supervisor.daemon.state.store import StateStore, StoreError
+
+    def result(n: int) -> tuple[str, dict]:
+        body = {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": None,
+                "tool_name": "read_file", "ok": True, "result": {"n": n}}
+        return ("tool.result", body)
+
+    with StateStore.open(tmp_path / "state") as store:
+        journal = Journal(store)
+        journal.append([result(1)])
+        real = store._idle_connection()
+
+        class CommitLandsThenFails:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def execute(self, sql: str, *args: object) -> object:
+                outcome = real.execute(sql, *args)
+                if sql == "COMMIT":
+                    raise sqlite3.OperationalError("disk I/O error (after the commit landed)")
+                return outcome
+
+        monkeypatch.setattr(store, "_idle_connection", lambda: CommitLandsThenFails())
+        with pytest.raises(StoreError):
+            journal.append([result(2)])
+        monkeypatch.undo()
+        assert [row.seq for row in journal.append([result(3)])] == [3]
+        assert [seq for seq, _ in journal.frames_after(1, 10)] == [2, 3]
+        assert journal.frames_after(1, 10) == store.events_after(1, 10)
