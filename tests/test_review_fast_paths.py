@@ -24,6 +24,9 @@ from sandbox_supervisor.daemon.runtime.spool import spool_dir
 DEADLINE_S = 20
 # The daemon's end of a holder link in the tests that fill it: small, so a line is cut.
 LINK_SEND_BUFFER = 16 * 1024
+# How long the stand-in holder waits for more of a request before it takes the link to have
+# stopped short (without the fix the rest never comes).
+QUIET_S = 2.0
 
 
 async def until(condition: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
@@ -108,7 +111,7 @@ async def test_a_request_line_cut_short_by_a_cancellation_is_finished_before_the
                 nursery.start_soon(second)
                 received = bytearray()
                 while received.count(b"\n") < 2:
-                    with trio.move_on_after(0.5) as quiet:  # the link sent all it will: no line ends
+                    with trio.move_on_after(QUIET_S) as quiet:  # the link sent all it will: no line ends
                         received += await holder.recv(65536)
                     assert not quiet.cancelled_caught, f"the lines stopped short: {len(received)} bytes"
                 assert bytes(received) == cut + whole
