@@ -20,6 +20,7 @@ import trio.testing
 from sandbox_supervisor.daemon.runtime.held import HolderLink
 from sandbox_supervisor.daemon.runtime.holder_protocol import MAX_LINE_BYTES, Reply, encode_watch, read_holder
 from sandbox_supervisor.daemon.runtime.spool import spool_dir
+from sandbox_supervisor.testing.daemon import BUG_EVENTS
 
 DEADLINE_S = 20
 # The daemon's end of a holder link in the tests that fill it: small, so a line is cut.
@@ -35,6 +36,11 @@ async def until(condition: Callable[[], bool], timeout: float = DEADLINE_S) -> N
             await trio.sleep(0.01)
 
 
+def crashes(lines: list[dict]) -> list[dict]:
+    """Log lines of a crash the daemon contained (testing/daemon.py BUG_EVENTS)."""
+    return [line for line in lines if line.get("event") in BUG_EVENTS]
+
+
 async def start(session, command: str, key: str) -> str:
     call_id = await session.call("start_process", {"command": command}, idempotency_key=key)
     result = await session.result(call_id)
@@ -42,7 +48,7 @@ async def start(session, command: str, key: str) -> str:
     return call_id
 
 
-async def test_a_stdin_request_cut_off_by_a_newer_connection_does_not_shift_later_answers(daemon):
+async def test_a_stdin_request_cut_off_by_a_newer_connection_does_not_shift_later_answers(daemon, log_lines):
     """The holder link answers requests in order. A request given up on (its socket was
     superseded while the holder was slow) still gets its answer from the holder later; taking
     that answer for the next request's would shift every answer after it by one."""
@@ -71,6 +77,7 @@ async def test_a_stdin_request_cut_off_by_a_newer_connection_does_not_shift_late
                 assert closed["closed"] is True and closed["next_offset"] == 6
                 body = await second.exec_completed(call_id, timeout=DEADLINE_S)
                 assert body["exit_code"] == 0
+            assert not crashes(log_lines())
         finally:
             with contextlib.suppress(ProcessLookupError):  # ended with its process
                 os.kill(holder.holder_pid, signal.SIGCONT)
@@ -124,7 +131,7 @@ async def test_a_request_line_cut_short_by_a_cancellation_is_finished_before_the
         holder.close()
 
 
-async def test_a_socket_whose_peer_left_while_replies_waited_for_room_is_closed_at_once(daemon):
+async def test_a_socket_whose_peer_left_while_replies_waited_for_room_is_closed_at_once(daemon, log_lines):
     """A client that sends requests without reading fills the socket, then the reply queue:
     the socket's reader waits for room (back-pressure). When the peer then goes, the sender's
     write fails and the sender stops; the reader must not wait for room that no one will ever
@@ -152,6 +159,8 @@ async def test_a_socket_whose_peer_left_while_replies_waited_for_room_is_closed_
         await trio.aclose_forcefully(session.ws._stream)  # the peer goes
         await until(lambda: sender.stopped)  # its write failed
         await until(lambda: conn not in hub.open)
+    assert not crashes(log_lines())
+    assert any(line.get("event") == "socket.closed" for line in log_lines())  # the log was read
 
 
 def test_the_journals_memory_serves_no_batch_across_a_gap(tmp_path, monkeypatch):
