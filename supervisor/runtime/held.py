@@ -17,6 +17,7 @@ twice, none skipped (a gap would show as the next event's offset, as for any dro
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -96,6 +97,9 @@ class HolderLink:
         # Requests given up on whose answers have not come yet: answers come in request order,
         # so the next this many are theirs and are dropped, not taken for a later request's.
         self._abandoned = 0
+        # The rest of a request line a cancellation cut short (_send_all): written before
+        # the next request's line.
+        self._unsent = b""
 
     @classmethod
     async def connect(cls, directory: Path) -> HolderLink:
@@ -127,33 +131,65 @@ class HolderLink:
         if self.closed.is_set():
             raise HolderGone()
         await self._send_all(line)
-        with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
-            try:
-                return await self._reply_receive.receive()
-            except trio.EndOfChannel:
-                raise HolderGone() from None
         try:
-            self._reply_receive.receive_nowait()  # it came as the wait ended: not stale
-        except trio.WouldBlock:
-            self._abandoned += 1
+            with trio.move_on_after(HOLDER_REPLY_TIMEOUT_S):
+                try:
+                    return await self._reply_receive.receive()
+                except trio.EndOfChannel:
+                    raise HolderGone() from None
+        except trio.Cancelled:
+            # The requester's own end (its socket superseded or closed while the holder was
+            # slow): the holder has the request and answers it all the same, and that answer
+            # must not be taken for the next request's (every later answer would be one off).
+            with contextlib.suppress(trio.EndOfChannel):
+                self._give_up_reply()
+            raise
+        try:
+            self._give_up_reply()
         except trio.EndOfChannel:
             raise HolderGone() from None
         raise HolderSlow()
 
+    def _give_up_reply(self) -> None:
+        """Stop waiting for the answer to the request in flight: taken now if it came as the
+        wait ended, else counted, so the reader drops it when it comes. EndOfChannel: the
+        link is gone."""
+        try:
+            self._reply_receive.receive_nowait()
+        except trio.WouldBlock:
+            self._abandoned += 1
+
     async def _send_all(self, line: bytes) -> None:
         """Write the whole line, waiting only while the socket is full (a request is a line
-        of at most MAX_LINE_BYTES; the holder reads them as they come)."""
-        view = memoryview(line)
-        while view:
-            try:
-                view = view[self._sock.send(view) :]
-            except BlockingIOError:
+        of at most MAX_LINE_BYTES; the holder reads them as they come).
+
+        A line that a cancellation cut short is finished first: the holder has its start, and
+        any other bytes after it would make one garbled line of two requests (the cut one's
+        stdin lost, the next one answered with an error). Its answer is given up on."""
+        data = self._unsent + line if self._unsent else line
+        own_start = len(data) - len(line)  # where this request's line begins in `data`
+        self._unsent = b""
+        view = memoryview(data)
+        sent = 0
+        try:
+            while sent < len(data):
                 try:
-                    await fd_wait.wait_writable(self._sock)
-                except trio.ClosedResourceError:
+                    sent += self._sock.send(view[sent:])
+                except BlockingIOError:
+                    try:
+                        await fd_wait.wait_writable(self._sock)
+                    except trio.ClosedResourceError:
+                        raise HolderGone() from None
+                except OSError:  # EPIPE, ECONNRESET: the holder is gone; EBADF: the link closed
                     raise HolderGone() from None
-            except OSError:  # EPIPE, ECONNRESET: the holder is gone; EBADF: the link closed
-                raise HolderGone() from None
+        except trio.Cancelled:
+            if sent > own_start:
+                # This request's line is begun: the holder answers it once it is whole.
+                self._unsent = data[sent:]
+                self._abandoned += 1
+            else:
+                self._unsent = data[sent:own_start]  # the earlier line's rest, if any
+            raise
 
     async def run(self, on_event: Callable[[Message], None]) -> None:
         """Read the holder's lines until it closes the connection (or says something the

@@ -129,9 +129,16 @@ class SocketSender:
 
     async def reply(self, text: str | bytes) -> None:
         """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…);
-        bytes go as a binary message (a binary exec.output_page)."""
+        bytes go as a binary message (a binary exec.output_page). Once the sender has
+        stopped (its socket failed or closed), the reply is dropped at once: nothing will
+        write it, and a caller waiting for room would wait for good (the socket's reader,
+        which then never learns that its socket is gone)."""
         while self._queued_chars and self._queued_chars + len(text) > REPLY_QUEUE_MAX_CHARS:
+            if self.stopped:
+                return
             await self._dequeued.wait()
+        if self.stopped:
+            return
         self._queued_chars += len(text)
         try:
             # Room in the queue (the usual case): queued without a checkpoint, so the reply
@@ -140,10 +147,13 @@ class SocketSender:
         except trio.WouldBlock:
             try:
                 await self._reply_in.send(text)
-            except BaseException:
-                # Not queued after all (cancelled while the queue was full): its size is
-                # given back, or the cap would shrink for good.
+            except BaseException as exc:
+                # Not queued after all (cancelled while the queue was full, or the sender
+                # stopped: BrokenResourceError): its size is given back, or the cap would
+                # shrink for good.
                 self._queued_chars -= len(text)
+                if isinstance(exc, trio.BrokenResourceError):
+                    return
                 raise
         self._wake.set()
 
@@ -180,6 +190,10 @@ class SocketSender:
             self._journal.unsubscribe(self.wake)
             self.stopped = True
             self._progress.set()
+            # Replies waiting for room give up (`reply`): a full queue's waiter gets
+            # BrokenResourceError, a waiter for characters is woken to see `stopped`.
+            self._reply_out.close()
+            self._dequeued.set()
 
     def _has_work(self) -> bool:
         """Something to write: a queued reply, or an event after the cursor."""

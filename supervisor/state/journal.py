@@ -82,7 +82,14 @@ class Journal:
                 window.reverse()
             else:
                 window = list(itertools.islice(recent, start, stop))
-            return window if max_chars is None else take_within(window, max_chars)
+            # Dense as appended, unless events landed whose commit reported an error (the
+            # store reads its last seq again; this window was told they failed): then it
+            # has a hole, and is dropped rather than served across it (the events after
+            # the hole would go out in place of those in it). Appends refill it.
+            if window[0].seq == seq + 1 and window[-1].seq - window[0].seq == len(window) - 1:
+                return window if max_chars is None else take_within(window, max_chars)
+            recent.clear()
+            self._recent_chars = 0
         return self.store.rows_after(seq, limit, max_chars)
 
     def acknowledge(self, seq: int) -> int:
