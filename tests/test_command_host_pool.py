@@ -1,0 +1,351 @@
+"""Pre-started shells (`command_host.ShellPool`, docs/internals.md "Pre-started shells"): a
+command run by a pooled shell against the same command run by a fresh `bash -c` through
+the host's Spawner. The same probe runs through both and must print the same, apart from a
+documented list of differences, each pinned here so that a change is noticed. Real
+processes, real cgroups where the machine has them, a real unprivileged command user."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_supervisor.daemon.runtime import command_host, holder
+from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
+from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
+from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, fast_only
+
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SST_PROBE": "a b\nc", "LC_ALL": "C"}
+# bash's own variables that differ in a pooled shell (docs/protocol.md, 7.4.1): the -c string
+# (the stub's), `_` (the stub's last argument), SECONDS (assigned: `declare -p` shows its
+# value), PIPESTATUS (set by the stub's commands), and the pid-dependent BASHPID/PPID lines
+# are compared separately.
+DOCUMENTED_VARIABLES = ("BASH_EXECUTION_STRING", "_", "SECONDS", "PIPESTATUS")
+# What a command sees of itself and of its shell, with the call's cgroup name printed as such.
+# Builtins only where the shell itself is read (a child would see its own state).
+PROBE = r"""
+echo "args=$0 $# $- seconds=$SECONDS lineno=$LINENO"
+echo "cwd=$(pwd)"
+echo "ids=$(id -u) $(id -g) $(id -G)"
+echo "oom=$(cat /proc/self/oom_score_adj)"
+set -- $(cut -d' ' -f5,6 /proc/$$/stat)
+[ "$1" = $$ ] && echo "leads its group"
+[ "$2" = $$ ] && echo "leads its session"
+echo "pid=$$ bashpid=$BASHPID"
+echo "stdin=$(readlink /proc/$$/fd/0)"
+fds=(/proc/$$/fd/*); echo "fds=${fds[*]##*/}"
+while read -r key value; do case $key in SigBlk:|SigIgn:|SigCgt:) echo "$key $value";; esac; done </proc/$$/status
+while read -r key value; do case $key in SigBlk:|SigIgn:|SigCgt:) echo "child $key $value";; esac; done < <(cat /proc/self/status)
+sed "s/$CALL/CALL/" /proc/self/cgroup
+env -0 | tr '\0' '\n' | grep -v "^CALL=" | sort
+declare -p | grep -Ev "^declare -[-a-zA-Z]* (BASH_EXECUTION_STRING|_|SECONDS|PIPESTATUS|BASHPID|PPID|CALL|BASH_ARGV|BASH_ARGC|BASH_LINENO|BASH_SOURCE|FUNCNAME|fds|key|value)(=|$)"
+umask; ulimit -a; trap -p; shopt -p; set -o
+echo err >&2
+exit 7
+"""
+
+
+def spec_for(command: str, cwd: Path, cgroup=None, env=None, **ids: object) -> HolderSpec:
+    env = {**(env or ENV), "CALL": "none" if cgroup is None else cgroup.name}
+    return HolderSpec(
+        argv=("/bin/bash", "-c", command),
+        cwd=str(cwd),
+        env=env,
+        stdin="null",
+        oom_score_adj=COMMAND_OOM_SCORE_ADJ,
+        cgroup=None if cgroup is None else cgroup.membership,
+        cgroup_also=() if cgroup is None else tuple(d for d in cgroup.directories() if d != cgroup.membership),
+        **ids,  # type: ignore[arg-type]
+    )
+
+
+def collect(pid: int, outputs: dict[str, int]) -> tuple[str, str, int]:
+    """Read both pipes to their end and reap: stdout, stderr, the Popen-style return code."""
+    data = {fd: bytearray() for fd in outputs.values()}
+    open_fds = set(data)
+    while open_fds:
+        ready, _, _ = select.select(list(open_fds), [], [], DEADLINE_S)
+        assert ready, "the command did not finish"
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if chunk:
+                data[fd] += chunk
+            else:
+                open_fds.discard(fd)
+                os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    return data[outputs["stdout"]].decode(), data[outputs["stderr"]].decode(), os.waitstatus_to_exitcode(status)
+
+
+def fresh(spawner: command_host.Spawner, spec: HolderSpec) -> tuple[int, tuple[str, str, int]]:
+    stdio = holder.open_stdio(spec)
+    pid = spawner.spawn(spec, stdio)
+    return pid, collect(pid, stdio.outputs)
+
+
+def pooled(pool: command_host.ShellPool, spec: HolderSpec) -> tuple[int, tuple[str, str, int]]:
+    pool.refill(spec)
+    shell = pool.take(spec)
+    assert shell is not None, "no pooled shell for the spec"
+    return shell.pid, collect(shell.pid, shell.outputs)
+
+
+def normalise(result: tuple[str, str, int], pid: int) -> tuple[str, str, int]:
+    stdout, stderr, code = result
+    return stdout.replace(f"pid={pid} bashpid={pid}", "pid=PID bashpid=PID"), stderr, code
+
+
+def compare(spawner, pool, spec_of) -> tuple[tuple[str, str, int], tuple[str, str, int]]:
+    """The probe through a fresh shell and a pooled one, pids replaced."""
+    pid, old = fresh(spawner, spec_of("old"))
+    new_pid, new = pooled(pool, spec_of("new"))
+    return normalise(old, pid), normalise(new, new_pid)
+
+
+@pytest.mark.parametrize("mode", cgroup_modes())
+def test_a_probe_sees_the_same_in_a_pooled_shell_as_in_a_fresh_one(tmp_path, monkeypatch, mode):
+    cwd = tmp_path / "work dir"
+    cwd.mkdir()
+    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            old, new = compare(spawner, pool, lambda name: spec_for(PROBE, cwd, None if groups is None else groups.create(name)))
+        finally:
+            pool.clear()
+    assert new == old
+    stdout = new[0]
+    assert f"cwd={cwd}\n" in stdout and f"oom={COMMAND_OOM_SCORE_ADJ}\n" in stdout
+    assert "leads its group\nleads its session\npid=PID bashpid=PID\n" in stdout and "stdin=/dev/null\n" in stdout
+    # Only 0, 1, 2 and the glob's own directory: the command channel was closed.
+    assert "fds=0 1 2 3\n" in stdout
+    assert stdout.startswith("args=/bin/bash 0 hBc seconds=0 lineno=2\n")
+    assert "SST_PROBE=a b\n" in stdout and "declare -x SST_PROBE=$'a b\\nc'\n" in stdout
+    assert new[1] == "err\n" and new[2] == 7
+    if groups is not None:
+        assert ("0::/" if mode == "cgroup2" else "freezer:/") in stdout and "/CALL\n" in stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching ids needs root")
+def test_a_command_user_gets_the_same_ids_and_the_rest_in_a_pooled_shell(tmp_path, monkeypatch):
+    nobody = pwd.getpwnam("nobody")
+    cwd = tmp_path / "work dir"
+    cwd.mkdir()
+    os.chmod(tmp_path, 0o700)  # only root may pass: the cwd is entered before the ids change
+    ids = {"uid": nobody.pw_uid, "gid": nobody.pw_gid, "groups": (65534, 0)}
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            old, new = compare(spawner, pool, lambda _name: spec_for(PROBE, cwd, **ids))
+        finally:
+            pool.clear()
+    assert new == old
+    assert f"ids={nobody.pw_uid} {nobody.pw_gid} " in new[0]
+
+
+EXITS = [
+    ("true", 0),
+    ("exit 7", 7),
+    ("kill -TERM $$", -signal.SIGTERM),
+    ("sst-no-such-command", 127),
+    ("set -e; false; echo not reached", 1),
+    ("echo a; if", 2),
+    ("f() { return 3; }; f", 3),
+    ("return 5", 2),
+    ("", 0),
+]
+
+
+@pytest.mark.parametrize(("command", "code"), EXITS, ids=[c or "empty" for c, _ in EXITS])
+def test_exit_statuses_are_the_same(tmp_path, monkeypatch, command, code):
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            _, old = fresh(spawner, spec_for(command, tmp_path))
+            _, new = pooled(pool, spec_for(command, tmp_path))
+        finally:
+            pool.clear()
+    assert old[2] == new[2] == code
+    assert old[0] == new[0]
+    # The one difference in the output: bash names a syntax error's source `-c` in a fresh
+    # shell and `eval` in a pooled one (documented, docs/protocol.md 7.4.1).
+    assert new[1] == old[1].replace("bash: -c: line", "bash: eval: line")
+
+
+def test_documented_differences_are_what_the_docs_say(tmp_path, monkeypatch):
+    """Each difference docs/protocol.md lists, pinned: a change in bash or in the stub that
+    moves one is noticed here."""
+    cases = {
+        "syntax": "if",
+        "execution_string": "echo $BASH_EXECUTION_STRING",
+        "underscore": "echo $_",
+        # The last simple command is not exec'd in place of the shell: a child dying of a
+        # signal is the shell's exit status 128+N (and bash's job message), not the signal.
+        "last_not_execd": "sh -c 'kill -KILL $$'",
+    }
+    results = {}
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            for name, command in cases.items():
+                results[name] = (fresh(spawner, spec_for(command, tmp_path)), pooled(pool, spec_for(command, tmp_path)))
+        finally:
+            pool.clear()
+    (_, old), (_, new) = results["syntax"]
+    assert "/bin/bash: -c: line 2: syntax error" in old[1] and "/bin/bash: eval: line 2: syntax error" in new[1]
+    (_, old), (_, new) = results["execution_string"]
+    assert old[0] == "echo $BASH_EXECUTION_STRING\n"
+    assert new[0].startswith("IFS= read -r -d '' " + command_host.POOL_VARIABLE)
+    (_, old), (_, new) = results["underscore"]
+    assert old[0] == "/bin/bash\n" and new[0] == command_host.POOL_VARIABLE + "\n"
+    (_, old), (_, new) = results["last_not_execd"]
+    assert old[2] == -signal.SIGKILL and old[1] == ""
+    assert new[2] == 128 + signal.SIGKILL and "Killed" in new[1]
+
+
+def test_the_shell_is_started_before_the_call_and_its_start_time_says_so(tmp_path, monkeypatch):
+    """The pid reported in exec.started is the pooled shell's, and its start time (the
+    identity restarts check, with the pid) is the shell's real one, from before the call."""
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            pool.refill(spec_for("true", tmp_path))
+            waiting = pool.idle[0]
+            assert holder._start_ticks(waiting.pid) == waiting.start_ticks
+            shell = pool.take(spec_for("echo $$", tmp_path))
+            assert shell is waiting
+            stdout, _, code = collect(shell.pid, shell.outputs)
+        finally:
+            pool.clear()
+    assert (stdout, code) == (f"{waiting.pid}\n", 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a command user")
+def test_another_process_of_the_command_user_cannot_write_a_command_into_an_idle_shell(tmp_path, monkeypatch):
+    """The channel is a socket: /proc/PID/fd/N of a socket cannot be opened (ENXIO), so a
+    process of the command user cannot inject a command into the next call's shell (a pipe
+    could be opened so, and written to)."""
+    nobody = pwd.getpwnam("nobody")
+    os.chmod(tmp_path, 0o755)
+    marker = tmp_path / "injected"
+    ids = {"uid": nobody.pw_uid, "gid": nobody.pw_gid, "groups": ()}
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            pool.refill(spec_for("true", tmp_path, **ids))
+            shell = pool.idle[0]
+            # The shell's end: the number its stub reads from (`<&N`).
+            cmdline = Path(f"/proc/{shell.pid}/cmdline").read_bytes().decode()
+            channel = int(re.search(r"<&(\d+)", cmdline).group(1))
+            assert os.readlink(f"/proc/{shell.pid}/fd/{channel}").startswith("socket:")
+            attacker = subprocess.run(
+                [
+                    "/usr/bin/python3",  # the venv's may be out of the command user's reach
+                    "-I",
+                    "-c",
+                    "import sys\n"
+                    "try:\n"
+                    f"    f = open('/proc/{shell.pid}/fd/{channel}', 'w')\n"
+                    f"    f.write('touch {marker}\\0')\n"
+                    "    f.close()\n"
+                    "except OSError as e:\n"
+                    "    print(e.errno)\n"
+                    "    sys.exit(3)\n",
+                ],
+                user=nobody.pw_uid,
+                group=nobody.pw_gid,
+                extra_groups=[],
+                capture_output=True,
+                text=True,
+                timeout=DEADLINE_S,
+                cwd="/",
+            )
+            taken = pool.take(spec_for("echo ran", tmp_path, **ids))
+            assert taken is shell
+            stdout, stderr, code = collect(shell.pid, shell.outputs)
+        finally:
+            pool.clear()
+    assert attacker.returncode == 3, (attacker.stdout, attacker.stderr)
+    assert int(attacker.stdout) == 6  # ENXIO
+    assert (stdout, stderr, code) == ("ran\n", "", 0)
+    assert not marker.exists()
+
+
+def test_specs_that_never_run_pooled(tmp_path):
+    assert command_host.pool_key(spec_for("true", tmp_path)) is not None
+    long = "true " + "x" * command_host.POOL_MAX_COMMAND_BYTES
+    assert command_host.pool_key(spec_for(long, tmp_path)) is None
+    assert command_host.pool_key(spec_for("true", tmp_path)._replace(argv=("/bin/bash", "-l", "-c", "true"))) is None
+    assert command_host.pool_key(spec_for("true", tmp_path)._replace(argv=("/bin/sh", "-c", "true"))) is None
+    for name in ("BASH_ENV", "SHELLOPTS", "BASHOPTS", "BASH_FUNC_ls%%", command_host.POOL_VARIABLE):
+        assert command_host.pool_key(spec_for("true", tmp_path, env={**ENV, name: "x"})) is None, name
+    # The command, the cgroups and the takeover's settings are not part of the key.
+    a = spec_for("true", tmp_path)
+    b = spec_for("false", tmp_path)._replace(cgroup="/sys/fs/cgroup/x", timeout_s=3.0, kill_grace_s=9.0)
+    assert command_host.pool_key(a) == command_host.pool_key(b)
+    assert command_host.pool_key(a) != command_host.pool_key(a._replace(env={**ENV, "X": "1"}))
+
+
+def test_a_shell_of_another_spec_is_killed_and_the_call_spawned_fresh(tmp_path, monkeypatch):
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            pool.refill(spec_for("true", tmp_path))
+            stale = pool.idle[0]
+            other = spec_for("true", tmp_path, env={**ENV, "X": "1"})
+            assert pool.take(other) is None
+            pool.refill(other)
+            assert [s.pid for s in pool.idle] != [stale.pid]
+            wait_gone(stale.pid)
+        finally:
+            pool.clear()
+
+
+def wait_gone(pid: int) -> None:
+    """Until `pid` is dead (a zombie or reaped): a SIGKILL takes effect asynchronously."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                if handle.read().rpartition(")")[2].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        assert time.monotonic() < deadline, f"{pid} still runs"
+        time.sleep(0.005)
+
+
+def test_a_dead_or_displaced_shell_is_never_used(tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            # Killed while idle (another process of the command user may): not handed out.
+            pool.refill(spec_for("true", cwd))
+            victim = pool.idle[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)
+            assert pool.take(spec_for("true", cwd)) is None
+            # Its cwd replaced by another directory of the same name: a fresh spawn enters
+            # the new one.
+            pool.refill(spec_for("true", cwd))
+            displaced = pool.idle[0]
+            cwd.rmdir()
+            cwd.mkdir()
+            assert pool.take(spec_for("true", cwd)) is None
+            assert not pool.idle
+            # Its call's cgroup is gone: not handed out (the fresh spawn reports the cgroup).
+            pool.refill(spec_for("true", cwd))
+            moved = pool.idle[0]
+            assert pool.take(spec_for("true", cwd)._replace(cgroup=str(tmp_path / "no-such-cgroup"))) is None
+        finally:
+            pool.clear()
+    for pid in (victim.pid, displaced.pid, moved.pid):
+        wait_gone(pid)
