@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
 
 from sandbox_supervisor.daemon.runtime import command_host, holder
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
@@ -349,3 +350,101 @@ def test_a_dead_or_displaced_shell_is_never_used(tmp_path, monkeypatch):
             pool.clear()
     for pid in (victim.pid, displaced.pid, moved.pid):
         wait_gone(pid)
+
+
+def test_idle_shells_is_validated_and_reaches_the_host(tmp_path):
+    """`[exec] idle_shells` (docs/operations.md, "Pre-started shells"): 1 unless set, an
+    integer from 0 to MAX_IDLE_SHELLS, and what the daemon's link sends with each spawn."""
+    from test_config import REQUIRED_ENV, problems_of
+
+    from sandbox_supervisor.daemon.config import ConfigError, load_config
+    from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost
+
+    assert load_config(None, env=REQUIRED_ENV).exec.idle_shells == 1
+    assert load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_EXEC__IDLE_SHELLS": "0"}).exec.idle_shells == 0
+    for bad in ("-1", str(command_host.MAX_IDLE_SHELLS + 1), "many"):
+        with pytest.raises(ConfigError) as excinfo:
+            load_config(None, env={**REQUIRED_ENV, "SANDBOX_SUPERVISOR_EXEC__IDLE_SHELLS": bad})
+        assert "exec.idle_shells" in problems_of(excinfo)
+    assert CommandHost(3).idle_shells == 3
+    # The host sizes its pool from the request, bounded; 0 kills what it kept.
+    pool = command_host.ShellPool(command_host.Spawner())
+    try:
+        pool.resize(command_host.MAX_IDLE_SHELLS + 5)
+        assert pool.size == command_host.MAX_IDLE_SHELLS
+        pool.resize(2)
+        pool.refill(spec_for("true", tmp_path))
+        assert len(pool.idle) == 2
+        pids = [s.pid for s in pool.idle]
+        pool.resize(0)
+        assert not pool.idle and pool.take(spec_for("true", tmp_path)) is None
+    finally:
+        pool.clear()
+    for pid in pids:
+        wait_gone(pid)
+
+
+def idle_children(host_pid: int) -> list[int]:
+    """The host's children that are idle shells (their cmdline is the stub)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rpartition(")")[2].split()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[1]) == host_pid and stat[0] != "Z" and command_host.POOL_VARIABLE.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def run_through(host, call_id: str, directory: Path, spec: HolderSpec) -> tuple[bytes, int]:
+    process = await host.spawn(call_id, directory, spec)
+    assert process.stdout is not None
+    out = b""
+    with trio.fail_after(DEADLINE_S):
+        while chunk := await process.stdout.receive_some(65536):
+            out += chunk
+        code = await process.wait()
+    host.done(call_id)
+    host.flush()
+    return out, code
+
+
+@pytest.mark.parametrize("idle_shells", [1, 0])
+async def test_the_host_runs_the_next_call_in_a_pooled_shell_and_kills_idle_ones_when_the_daemon_goes(tmp_path, idle_shells):
+    """Through the real host: the first call is spawned fresh and the host starts an idle
+    shell after answering; the next call with the same spec runs in it (its -c string is the
+    stub's). Closing the link (a daemon's stop or death) kills the idle shells. With 0, no
+    shell is kept and every call is fresh."""
+    from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost
+
+    host = CommandHost(idle_shells)
+    spec = spec_for("echo $BASH_EXECUTION_STRING", tmp_path)
+    try:
+        first, code = await run_through(host, "c1", tmp_path / "c1", spec)
+        assert (first, code) == (b"echo $BASH_EXECUTION_STRING\n", 0)
+        assert host._process is not None
+        host_pid = host._process.pid
+        with trio.fail_after(DEADLINE_S):
+            while len(idle_children(host_pid)) != idle_shells:
+                await trio.sleep(0.01)
+        waiting = idle_children(host_pid)
+        second, code = await run_through(host, "c2", tmp_path / "c2", spec)
+        assert code == 0
+        if idle_shells:
+            assert second.startswith(b"IFS= read -r -d '' " + command_host.POOL_VARIABLE.encode())
+        else:
+            assert second == first
+        with trio.fail_after(DEADLINE_S):
+            while len(idle_children(host_pid)) != idle_shells:
+                await trio.sleep(0.01)
+        waiting = idle_children(host_pid)
+    finally:
+        await host.aclose()
+    for pid in waiting:
+        wait_gone(pid)
+    with trio.fail_after(DEADLINE_S):
+        await host._process.wait()
