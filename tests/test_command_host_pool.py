@@ -26,8 +26,7 @@ from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, f
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SST_PROBE": "a b\nc", "LC_ALL": "C"}
 # bash's own variables that differ in a pooled shell (docs/protocol.md, 7.4.1): the -c string
 # (the stub's), `_` (the stub's last argument), SECONDS (assigned: `declare -p` shows its
-# value), PIPESTATUS (set by the stub's commands), and the pid-dependent BASHPID/PPID lines
-# are compared separately.
+# value), PIPESTATUS (set by the stub's commands); BASHPID is compared as pid=PID below.
 DOCUMENTED_VARIABLES = ("BASH_EXECUTION_STRING", "_", "SECONDS", "PIPESTATUS")
 # What a command sees of itself and of its shell, with the call's cgroup name printed as such.
 # Builtins only where the shell itself is read (a child would see its own state).
@@ -46,7 +45,7 @@ while read -r key value; do case $key in SigBlk:|SigIgn:|SigCgt:) echo "$key $va
 while read -r key value; do case $key in SigBlk:|SigIgn:|SigCgt:) echo "child $key $value";; esac; done < <(cat /proc/self/status)
 sed "s/$CALL/CALL/" /proc/self/cgroup
 env -0 | tr '\0' '\n' | grep -v "^CALL=" | sort
-declare -p | grep -Ev "^declare -[-a-zA-Z]* (BASH_EXECUTION_STRING|_|SECONDS|PIPESTATUS|BASHPID|PPID|CALL|BASH_ARGV|BASH_ARGC|BASH_LINENO|BASH_SOURCE|FUNCNAME|fds|key|value)(=|$)"
+declare -p | grep -Ev "^declare -[-a-zA-Z]* (BASH_EXECUTION_STRING|_|SECONDS|PIPESTATUS|BASHPID|CALL|fds|key|value)(=|$)"
 umask; ulimit -a; trap -p; shopt -p; set -o
 echo err >&2
 exit 7
@@ -82,7 +81,7 @@ def collect(pid: int, outputs: dict[str, int]) -> tuple[str, str, int]:
                 open_fds.discard(fd)
                 os.close(fd)
     _, status = os.waitpid(pid, 0)
-    return data[outputs["stdout"]].decode(), data[outputs["stderr"]].decode(), os.waitstatus_to_exitcode(status)
+    return data[outputs["stdout"]].decode(errors="surrogateescape"), data[outputs["stderr"]].decode(errors="surrogateescape"), os.waitstatus_to_exitcode(status)
 
 
 def fresh(spawner: command_host.Spawner, spec: HolderSpec) -> tuple[int, tuple[str, str, int]]:
@@ -448,3 +447,19 @@ async def test_the_host_runs_the_next_call_in_a_pooled_shell_and_kills_idle_ones
         wait_gone(pid)
     with trio.fail_after(DEADLINE_S):
         await host._process.wait()
+
+
+def test_a_command_bash_would_get_as_bytes_arrives_as_the_same_bytes(tmp_path, monkeypatch):
+    """Multibyte text, a byte that is not UTF-8 (surrogateescape, as Popen encodes argv),
+    quotes, backslashes, newlines and leading and trailing blanks reach the shell unchanged;
+    a command Popen could not encode is never pooled (its fresh spawn reports it)."""
+    command = "printf '%s|' \"$(printf 'é\\\\n')\" '\udcff' \\\\ \"a\nb\"  \t"
+    with fast_only(monkeypatch) as spawner:
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            _, old = fresh(spawner, spec_for(command, tmp_path))
+            _, new = pooled(pool, spec_for(command, tmp_path))
+        finally:
+            pool.clear()
+    assert new == old and old[2] == 0
+    assert command_host.pool_key(spec_for("echo \ud800", tmp_path)) is None

@@ -307,7 +307,8 @@ def pool_key(spec: HolderSpec) -> HolderSpec | None:
     `bash -c <command>`: another shell, a login shell, a terminal; or a long command)."""
     if len(spec.argv) != 3 or spec.argv[1] != "-c" or os.path.basename(spec.argv[0]) != POOL_SHELL_NAME:
         return None
-    if spec.pty is not None or len(spec.argv[2].encode()) > POOL_MAX_COMMAND_BYTES:
+    command = _command_bytes(spec)
+    if spec.pty is not None or command is None or len(command) > POOL_MAX_COMMAND_BYTES:
         return None
     if any(name in POOL_UNSAFE_ENV or name.startswith(POOL_UNSAFE_ENV_PREFIX) for name in spec.env):
         return None
@@ -320,6 +321,15 @@ def pool_key(spec: HolderSpec) -> HolderSpec | None:
         spool_max_bytes=0,
         stdin="null",
     )
+
+
+def _command_bytes(spec: HolderSpec) -> bytes | None:
+    """The command as a fresh shell's argv would carry it (Popen encodes argv so); None for
+    one that cannot be encoded (Popen refuses it: the fresh spawn reports that)."""
+    try:
+        return os.fsencode(spec.argv[-1])
+    except UnicodeError:
+        return None
 
 
 class IdleShell(NamedTuple):
@@ -366,7 +376,7 @@ class ShellPool:
                 # runs outside them. As root, by pid (the shell cannot move itself).
                 for directory in [] if spec.cgroup is None else [spec.cgroup, *spec.cgroup_also]:
                     _move(os.path.join(directory, "cgroup.procs"), shell.pid)
-                shell.channel.sendall(spec.argv[2].encode() + b"\0")
+                shell.channel.sendall(os.fsencode(spec.argv[2]) + b"\0")  # pool_key: it encodes
             except OSError:
                 # A cgroup gone or refused, or a shell that died: the spawn as without a pool
                 # (which reports a vanished cgroup as it always did).
