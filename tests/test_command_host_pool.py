@@ -25,13 +25,13 @@ from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, f
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SST_PROBE": "a b\nc", "LC_ALL": "C"}
 # bash's own variables that differ in a pooled shell (docs/protocol.md, 7.4.1): the -c string
-# (the stub's), `_` (the stub's last argument), SECONDS (assigned: `declare -p` shows its
-# value), PIPESTATUS (set by the stub's commands); BASHPID is compared as pid=PID below.
-DOCUMENTED_VARIABLES = ("BASH_EXECUTION_STRING", "_", "SECONDS", "PIPESTATUS")
+# (the stub's), SECONDS (assigned: `declare -p` shows its value), PIPESTATUS (set by the
+# stub's commands); BASHPID is compared as pid=PID below.
+DOCUMENTED_VARIABLES = ("BASH_EXECUTION_STRING", "SECONDS", "PIPESTATUS")
 # What a command sees of itself and of its shell, with the call's cgroup name printed as such.
 # Builtins only where the shell itself is read (a child would see its own state).
 PROBE = r"""
-echo "args=$0 $# $- seconds=$SECONDS lineno=$LINENO"
+echo "args=$_ $0 $# $- seconds=$SECONDS lineno=$LINENO"
 echo "cwd=$(pwd)"
 echo "ids=$(id -u) $(id -g) $(id -G)"
 echo "oom=$(cat /proc/self/oom_score_adj)"
@@ -45,7 +45,7 @@ while read -r key value; do case $key in SigBlk:|SigIgn:|SigCgt:) echo "$key $va
 while read -r key value; do case $key in SigBlk:|SigIgn:|SigCgt:) echo "child $key $value";; esac; done < <(cat /proc/self/status)
 sed "s/$CALL/CALL/" /proc/self/cgroup
 env -0 | tr '\0' '\n' | grep -v "^CALL=" | sort
-declare -p | grep -Ev "^declare -[-a-zA-Z]* (BASH_EXECUTION_STRING|_|SECONDS|PIPESTATUS|BASHPID|CALL|fds|key|value)(=|$)"
+declare -p | grep -Ev "^declare -[-a-zA-Z]* (BASH_EXECUTION_STRING|SECONDS|PIPESTATUS|BASHPID|CALL|fds|key|value)(=|$)"
 umask; ulimit -a; trap -p; shopt -p; set -o
 echo err >&2
 exit 7
@@ -125,7 +125,7 @@ def test_a_probe_sees_the_same_in_a_pooled_shell_as_in_a_fresh_one(tmp_path, mon
     assert "leads its group\nleads its session\npid=PID bashpid=PID\n" in stdout and "stdin=/dev/null\n" in stdout
     # Only 0, 1, 2 and the glob's own directory: the command channel was closed.
     assert "fds=0 1 2 3\n" in stdout
-    assert stdout.startswith("args=/bin/bash 0 hBc seconds=0 lineno=2\n")
+    assert stdout.startswith("args=/bin/bash /bin/bash 0 hBc seconds=0 lineno=2\n")
     assert "SST_PROBE=a b\n" in stdout and "declare -x SST_PROBE=$'a b\\nc'\n" in stdout
     assert new[1] == "err\n" and new[2] == 7
     if groups is not None:
@@ -184,7 +184,6 @@ def test_documented_differences_are_what_the_docs_say(tmp_path, monkeypatch):
     cases = {
         "syntax": "if",
         "execution_string": "echo $BASH_EXECUTION_STRING",
-        "underscore": "echo $_",
         # The last simple command is not exec'd in place of the shell: a child dying of a
         # signal is the shell's exit status 128+N (and bash's job message), not the signal.
         "last_not_execd": "sh -c 'kill -KILL $$'",
@@ -201,9 +200,7 @@ def test_documented_differences_are_what_the_docs_say(tmp_path, monkeypatch):
     assert "/bin/bash: -c: line 2: syntax error" in old[1] and "/bin/bash: eval: line 2: syntax error" in new[1]
     (_, old), (_, new) = results["execution_string"]
     assert old[0] == "echo $BASH_EXECUTION_STRING\n"
-    assert new[0].startswith("IFS= read -r -d '' " + command_host.POOL_VARIABLE)
-    (_, old), (_, new) = results["underscore"]
-    assert old[0] == "/bin/bash\n" and new[0] == command_host.POOL_VARIABLE + "\n"
+    assert new[0].startswith(f"printf -v {command_host.POOL_UNDERSCORE_VARIABLE} %q")
     (_, old), (_, new) = results["last_not_execd"]
     assert old[2] == -signal.SIGKILL and old[1] == ""
     assert new[2] == 128 + signal.SIGKILL and "Killed" in new[1]
@@ -283,7 +280,7 @@ def test_specs_that_never_run_pooled(tmp_path):
     assert command_host.pool_key(spec_for(long, tmp_path)) is None
     assert command_host.pool_key(spec_for("true", tmp_path)._replace(argv=("/bin/bash", "-l", "-c", "true"))) is None
     assert command_host.pool_key(spec_for("true", tmp_path)._replace(argv=("/bin/sh", "-c", "true"))) is None
-    for name in ("BASH_ENV", "SHELLOPTS", "BASHOPTS", "BASH_FUNC_ls%%", command_host.POOL_VARIABLE):
+    for name in ("BASH_ENV", "SHELLOPTS", "BASHOPTS", "BASH_FUNC_ls%%", command_host.POOL_VARIABLE, "__sst_underscore"):
         assert command_host.pool_key(spec_for("true", tmp_path, env={**ENV, name: "x"})) is None, name
     # The command, the cgroups and the takeover's settings are not part of the key.
     a = spec_for("true", tmp_path)
@@ -434,7 +431,7 @@ async def test_the_host_runs_the_next_call_in_a_pooled_shell_and_kills_idle_ones
         second, code = await run_through(host, "c2", tmp_path / "c2", spec)
         assert code == 0
         if idle_shells:
-            assert second.startswith(b"IFS= read -r -d '' " + command_host.POOL_VARIABLE.encode())
+            assert second.startswith(b"printf -v " + command_host.POOL_UNDERSCORE_VARIABLE.encode())
         else:
             assert second == first
         with trio.fail_after(DEADLINE_S):

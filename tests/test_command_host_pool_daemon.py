@@ -11,7 +11,7 @@ from sandbox_supervisor.daemon.runtime.recovery import is_command_host
 from sandbox_supervisor.testing.daemon import make_layout, running_daemon
 from test_command_host import DEADLINE_S, kill_daemon, start_again, started_command
 
-STUB_PREFIX = "IFS= read -r -d '' " + command_host.POOL_VARIABLE
+STUB_PREFIX = "printf -v " + command_host.POOL_UNDERSCORE_VARIABLE
 
 
 async def test_a_pooled_call_is_reported_with_its_shells_pid_and_adopted_after_a_kill_9(tmp_path, authority):

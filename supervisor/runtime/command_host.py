@@ -278,26 +278,34 @@ MAX_IDLE_SHELLS = 8
 POOL_MAX_COMMAND_BYTES = 2048
 # Only bash runs the stub (its `read -d ''`, `eval`); another shell is spawned fresh.
 POOL_SHELL_NAME = "bash"
-# The variable the stub reads the command into (unset before the command runs).
+# The variables the stub reads the command into and keeps bash's first `$_` in (both unset
+# before the command runs).
 POOL_VARIABLE = "__sst_command"
+POOL_UNDERSCORE_VARIABLE = "__sst_underscore"
 # Environment bash acts on at its start, which would then act on the stub too or happen
 # before the call instead of at it: a file sourced at start (BASH_ENV, ENV), options such as
 # xtrace (SHELLOPTS, BASHOPTS; BASH_XTRACEFD), SECONDS, and the stub's own variable. With any
 # of them, or an exported function (BASH_FUNC_*: it could stand in for a builtin the stub
 # uses), the command is spawned fresh.
-POOL_UNSAFE_ENV = frozenset({"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_XTRACEFD", "SECONDS", POOL_VARIABLE})
+POOL_UNSAFE_ENV = frozenset(
+    {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_XTRACEFD", "SECONDS", POOL_VARIABLE, POOL_UNDERSCORE_VARIABLE}
+)
 POOL_UNSAFE_ENV_PREFIX = "BASH_FUNC_"
 
 
 def pool_stub(fd: int) -> str:
-    """The `-c` string an idle shell runs: wait for the command on descriptor `fd` (a unix
-    socket: /proc/PID/fd/N of a socket cannot be opened, so no other process of the command
-    user can write a command into it), close it, reset SECONDS, and run the command with
-    `eval` in the same shell, unsetting the variable that carried it first. An end of the
+    """The `-c` string an idle shell runs: keep bash's first `$_` (quoted), wait for the
+    command on descriptor `fd` (a unix socket: /proc/PID/fd/N of a socket cannot be opened,
+    so no other process of the command user can write a command into it), close it, reset
+    SECONDS, and run the command with `eval` in the same shell, after unsetting both
+    variables and a `:` whose last argument gives `$_` back its first value. An end of the
     socket without a whole command (the host died or killed the pool) exits, running
     nothing. IFS empty and -r: the command arrives byte for byte."""
-    v = POOL_VARIABLE
-    return f"IFS= read -r -d '' {v} <&{fd} || exit 0; exec {fd}<&-; SECONDS=0; eval \"unset {v};${v}\""
+    v, u = POOL_VARIABLE, POOL_UNDERSCORE_VARIABLE
+    return (
+        f"printf -v {u} %q \"$_\"; IFS= read -r -d '' {v} <&{fd} || exit 0; exec {fd}<&-; SECONDS=0; "
+        f"eval \"unset {v} {u}; : ${u};${v}\""
+    )
 
 
 def pool_key(spec: HolderSpec) -> HolderSpec | None:
