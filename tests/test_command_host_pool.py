@@ -330,6 +330,12 @@ def test_a_dead_or_displaced_shell_is_never_used(tmp_path, monkeypatch):
             os.kill(victim.pid, signal.SIGKILL)
             os.waitid(os.P_PID, victim.pid, os.WEXITED | os.WNOWAIT)
             assert pool.take(spec_for("true", cwd)) is None
+            # Stopped while idle: a fresh spawn runs where it would hang until the timeout.
+            pool.refill(spec_for("true", cwd))
+            stopped = pool.idle[0]
+            os.kill(stopped.pid, signal.SIGSTOP)
+            os.waitid(os.P_PID, stopped.pid, os.WSTOPPED | os.WNOWAIT)
+            assert pool.take(spec_for("true", cwd)) is None
             # Its cwd replaced by another directory of the same name: a fresh spawn enters
             # the new one.
             pool.refill(spec_for("true", cwd))
@@ -344,7 +350,7 @@ def test_a_dead_or_displaced_shell_is_never_used(tmp_path, monkeypatch):
             assert pool.take(spec_for("true", cwd)._replace(cgroup=str(tmp_path / "no-such-cgroup"))) is None
         finally:
             pool.clear()
-    for pid in (victim.pid, displaced.pid, moved.pid):
+    for pid in (victim.pid, stopped.pid, displaced.pid, moved.pid):
         wait_gone(pid)
 
 

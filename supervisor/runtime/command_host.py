@@ -340,6 +340,11 @@ def _command_bytes(spec: HolderSpec) -> bytes | None:
         return None
 
 
+# /proc/PID/stat states of a shell fit to take a command: sleeping in its read, or running
+# (still starting). Not stopped (T), traced (t), a zombie (Z) or dead (X).
+IDLE_STATES = frozenset({b"S", b"R", b"D"})
+
+
 class IdleShell(NamedTuple):
     pid: int
     start_ticks: int
@@ -371,8 +376,14 @@ class ShellPool:
             return None
         while self.idle:
             shell = self.idle.pop(0)  # the oldest: the longest settled
-            if not self._alive(shell.pid):
-                self._close(shell)
+            state = self._state(shell.pid)
+            if state not in IDLE_STATES:
+                # Exited (reaped just now), or stopped or traced: a stopped shell would hold
+                # its call until the timeout, where a fresh one runs.
+                if state is None:
+                    self._close(shell)
+                else:
+                    self._kill(shell)
                 continue
             if not _same_directory(shell.pid, spec.cwd):
                 # The cwd was removed or replaced since the shell entered it: a fresh spawn
@@ -448,11 +459,19 @@ class ShellPool:
         return IdleShell(pid, ticks, dict(stdio.outputs), ours)
 
     @staticmethod
-    def _alive(pid: int) -> bool:
+    def _state(pid: int) -> bytes | None:
+        """The shell's /proc/PID/stat state; None once it exited (and is now reaped: its pid
+        must not be signalled any more)."""
         try:
-            return os.waitpid(pid, os.WNOHANG)[0] == 0
+            if os.waitpid(pid, os.WNOHANG)[0] != 0:
+                return None
         except ChildProcessError:
-            return False
+            return None
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                return handle.read().rpartition(b")")[2].split()[0]
+        except (OSError, IndexError):
+            return b"?"
 
     def _kill(self, shell: IdleShell) -> None:
         with contextlib.suppress(OSError):
