@@ -340,11 +340,6 @@ def _command_bytes(spec: HolderSpec) -> bytes | None:
         return None
 
 
-# /proc/PID/stat states of a shell fit to take a command: sleeping in its read, or running
-# (still starting). Not stopped (T), traced (t), a zombie (Z) or dead (X).
-IDLE_STATES = frozenset({b"S", b"R", b"D"})
-
-
 class IdleShell(NamedTuple):
     pid: int
     start_ticks: int
@@ -377,10 +372,8 @@ class ShellPool:
         while self.idle:
             shell = self.idle.pop(0)  # the oldest: the longest settled
             state = self._state(shell.pid)
-            if state not in IDLE_STATES:
-                # Exited (reaped just now), or stopped or traced: a stopped shell would hold
-                # its call until the timeout, where a fresh one runs.
-                if state is None:
+            if state != "waiting":
+                if state == "gone":
                     self._close(shell)
                 else:
                     self._kill(shell)
@@ -459,19 +452,21 @@ class ShellPool:
         return IdleShell(pid, ticks, dict(stdio.outputs), ours)
 
     @staticmethod
-    def _state(pid: int) -> bytes | None:
-        """The shell's /proc/PID/stat state; None once it exited (and is now reaped: its pid
-        must not be signalled any more)."""
+    def _state(pid: int) -> str:
+        """"waiting", "stopped" (by a signal: it would hold its call until the timeout, where a
+        fresh shell runs) or "gone" (it exited, and is reaped now: its pid must not be
+        signalled any more). One waitid that consumes nothing (WNOWAIT), then a reap."""
         try:
-            if os.waitpid(pid, os.WNOHANG)[0] != 0:
-                return None
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
-            return None
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as handle:
-                return handle.read().rpartition(b")")[2].split()[0]
-        except (OSError, IndexError):
-            return b"?"
+            return "gone"
+        if info is None:
+            return "waiting"
+        if info.si_code == os.CLD_STOPPED:
+            return "stopped"
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # it exited: the status is there, this does not block
+        return "gone"
 
     def _kill(self, shell: IdleShell) -> None:
         with contextlib.suppress(OSError):
