@@ -187,6 +187,7 @@ def test_documented_differences_are_what_the_docs_say(tmp_path, monkeypatch):
         # The last simple command is not exec'd in place of the shell: a child dying of a
         # signal is the shell's exit status 128+N (and bash's job message), not the signal.
         "last_not_execd": "sh -c 'kill -KILL $$'",
+        "variables": "declare -p | grep -E '^declare -[-a-z]+ (SECONDS|PIPESTATUS)'",
     }
     results = {}
     with fast_only(monkeypatch) as spawner:
@@ -201,6 +202,12 @@ def test_documented_differences_are_what_the_docs_say(tmp_path, monkeypatch):
     (_, old), (_, new) = results["execution_string"]
     assert old[0] == "echo $BASH_EXECUTION_STRING\n"
     assert new[0].startswith(f"printf -v {command_host.POOL_UNDERSCORE_VARIABLE} %q")
+    (_, old), (_, new) = results["variables"]
+    # A fresh shell lists SECONDS without a value and has no PIPESTATUS yet; the stub's
+    # commands set both (`declare -p SECONDS` alone reads the same in both).
+    assert old[0] == "declare -- SECONDS\n"
+    assert new[0] == 'declare -a PIPESTATUS=([0]="0")\ndeclare -- SECONDS="0"\n'
+
     (_, old), (_, new) = results["last_not_execd"]
     assert old[2] == -signal.SIGKILL and old[1] == ""
     assert new[2] == 128 + signal.SIGKILL and "Killed" in new[1]
