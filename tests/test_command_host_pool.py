@@ -6,6 +6,7 @@ processes, real cgroups where the machine has them, a real unprivileged command 
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import re
@@ -230,15 +231,47 @@ def test_the_shell_is_started_before_the_call_and_its_start_time_says_so(tmp_pat
     assert (stdout, code) == (f"{waiting.pid}\n", 0)
 
 
+def open_for_writing_as(user: pwd.struct_passwd, path: str) -> int:
+    """errno of opening `path` for writing as `user` in a process of its own (0: it opened,
+    and `echo injected` was written, NUL-terminated as a command)."""
+    attacker = subprocess.run(
+        [
+            "/usr/bin/python3",  # the venv's may be out of the command user's reach
+            "-I",
+            "-c",
+            "import sys\n"
+            "try:\n"
+            f"    f = open({path!r}, 'w')\n"
+            "    f.write('echo injected\\0')\n"
+            "    f.close()\n"
+            "except OSError as e:\n"
+            "    print(e.errno)\n"
+            "else:\n"
+            "    print(0)\n",
+        ],
+        user=user.pw_uid,
+        group=user.pw_gid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        cwd="/",
+    )
+    assert attacker.returncode == 0, attacker.stderr
+    return int(attacker.stdout)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs a command user")
-def test_another_process_of_the_command_user_cannot_write_a_command_into_an_idle_shell(tmp_path, monkeypatch):
-    """The channel is a socket: /proc/PID/fd/N of a socket cannot be opened (ENXIO), so a
-    process of the command user cannot inject a command into the next call's shell (a pipe
-    could be opened so, and written to)."""
-    nobody = pwd.getpwnam("nobody")
+@pytest.mark.parametrize("who", ["command-user", "daemon-user"])
+def test_another_process_of_the_command_user_cannot_write_a_command_into_an_idle_shell(tmp_path, monkeypatch, who):
+    """The channel is a socket: /proc/PID/fd/N of a socket cannot be opened (ENXIO), by the
+    command user nor by root, so no process can inject a command into the next call's shell
+    (a pipe could be opened so by its owner: without [exec] user, the daemon's own user, whose
+    processes the commands are). With a command user, the shell's output pipes, made by the
+    host (root, 0600), cannot be opened either (EACCES)."""
+    attacker = pwd.getpwnam("nobody" if who == "command-user" else "root")
     os.chmod(tmp_path, 0o755)
-    marker = tmp_path / "injected"
-    ids = {"uid": nobody.pw_uid, "gid": nobody.pw_gid, "groups": ()}
+    ids = {"uid": attacker.pw_uid, "gid": attacker.pw_gid, "groups": ()} if who == "command-user" else {}
     with fast_only(monkeypatch) as spawner:
         pool = command_host.ShellPool(spawner, 1)
         try:
@@ -248,37 +281,21 @@ def test_another_process_of_the_command_user_cannot_write_a_command_into_an_idle
             cmdline = Path(f"/proc/{shell.pid}/cmdline").read_bytes().decode()
             channel = int(re.search(r"<&(\d+)", cmdline).group(1))
             assert os.readlink(f"/proc/{shell.pid}/fd/{channel}").startswith("socket:")
-            attacker = subprocess.run(
-                [
-                    "/usr/bin/python3",  # the venv's may be out of the command user's reach
-                    "-I",
-                    "-c",
-                    "import sys\n"
-                    "try:\n"
-                    f"    f = open('/proc/{shell.pid}/fd/{channel}', 'w')\n"
-                    f"    f.write('touch {marker}\\0')\n"
-                    "    f.close()\n"
-                    "except OSError as e:\n"
-                    "    print(e.errno)\n"
-                    "    sys.exit(3)\n",
-                ],
-                user=nobody.pw_uid,
-                group=nobody.pw_gid,
-                extra_groups=[],
-                capture_output=True,
-                text=True,
-                timeout=DEADLINE_S,
-                cwd="/",
-            )
+            channel_errno = open_for_writing_as(attacker, f"/proc/{shell.pid}/fd/{channel}")
+            stdout_errno = open_for_writing_as(attacker, f"/proc/{shell.pid}/fd/1")
             taken = pool.take(spec_for("echo ran", tmp_path, **ids))
             assert taken is shell
             stdout, stderr, code = collect(shell.pid, shell.outputs)
         finally:
             pool.clear()
-    assert attacker.returncode == 3, (attacker.stdout, attacker.stderr)
-    assert int(attacker.stdout) == 6  # ENXIO
-    assert (stdout, stderr, code) == ("ran\n", "", 0)
-    assert not marker.exists()
+    assert channel_errno == errno.ENXIO
+    if who == "command-user":
+        assert stdout_errno == errno.EACCES
+        assert (stdout, stderr, code) == ("ran\n", "", 0)
+    else:
+        # root opened the pipe: what it wrote is output, never a command.
+        assert stdout_errno == 0
+        assert (stdout, stderr, code) == ("echo injected\0ran\n", "", 0)
 
 
 def test_specs_that_never_run_pooled(tmp_path):
