@@ -31,6 +31,7 @@ from pydantic_core import ErrorDetails
 from sandbox_supervisor.protocol import bootstrap, frames
 from sandbox_supervisor.protocol.addresses import parse_host_port
 from sandbox_supervisor.daemon.edge.server import default_unix_allowed_uids
+from sandbox_supervisor.daemon.runtime.command_host import MAX_IDLE_SHELLS
 from sandbox_supervisor.daemon.runtime.identity import (
     CommandIdentity,
     check_group,
@@ -263,6 +264,10 @@ class ExecConfig(_Section):
     # (E2B runs `bash -l -c`). Never for a call whose assertion has allowed_commands: those
     # files are the agent's to write, and the guard never judged what is in them (§7.4.1).
     login_shell: bool = False
+    # Pre-started shells (docs/operations.md, "Pre-started shells"): how many idle `bash -c`
+    # shells the command host keeps ready for the next execute_shell_command; 0: none, every
+    # command is spawned when it is called.
+    idle_shells: Annotated[int, Field(ge=0, le=MAX_IDLE_SHELLS)] = 1
     # start_process (docs/protocol.md §7.7): the longest timeout a process may ask for, and
     # the one it gets when it asks for none. Unset: no limit (a dev server runs for hours).
     process_max_timeout_ms: PositiveInt | None = None

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sandbox_supervisor.daemon.runtime import holder
 from sandbox_supervisor.daemon.runtime.cgroups import hierarchy_path, parse_mountinfo, parse_proc_cgroup
@@ -101,8 +101,10 @@ class Spawner:
         # the host cannot go back there, so it never leaves it).
         self.homes: dict[str, str | None] = {}
 
-    def spawn(self, spec: HolderSpec, stdio: holder.Stdio) -> int:
+    def spawn(self, spec: HolderSpec, stdio: holder.Stdio, pass_fds: tuple[int, ...] = ()) -> int:
         """The command's pid once it exec'd; SpawnError (the child's ends closed) if not."""
+        if pass_fds and (not self.usable or stdio.pty_slave is not None):
+            raise holder.SpawnError("exec", errno.EINVAL)
         if not self.usable or stdio.pty_slave is not None:
             return holder.spawn(spec, stdio)
         directories = [] if spec.cgroup is None else [spec.cgroup, *spec.cgroup_also]
@@ -110,7 +112,7 @@ class Spawner:
         if any(home is None for home in homes):
             return holder.spawn(spec, stdio)
         try:
-            pid = self._popen(spec, stdio, directories, [h for h in homes if h is not None])
+            pid = self._popen(spec, stdio, directories, [h for h in homes if h is not None], pass_fds)
         except holder.SpawnError as exc:
             if exc.stage == "fork" and exc.errno == errno.EAGAIN and directories:
                 # The host itself took a place in the command's cgroup while it forked: at
@@ -125,7 +127,9 @@ class Spawner:
         _close_child_ends(stdio)
         return pid
 
-    def _popen(self, spec: HolderSpec, stdio: holder.Stdio, directories: list[str], homes: list[str]) -> int:
+    def _popen(
+        self, spec: HolderSpec, stdio: holder.Stdio, directories: list[str], homes: list[str], pass_fds: tuple[int, ...] = ()
+    ) -> int:
         own_score = self._raise_score(spec.oom_score_adj)
         joined: list[str] = []
         try:
@@ -150,6 +154,7 @@ class Spawner:
                     user=spec.uid,
                     group=spec.gid,
                     extra_groups=groups,
+                    pass_fds=pass_fds,
                 )
             except OSError as exc:
                 raise holder.SpawnError(_popen_stage(exc, spec), exc.errno or errno.EIO) from None
@@ -263,6 +268,246 @@ def _join(procs: str) -> None:
         os.close(fd)
 
 
+
+# --- pre-started shells (docs/internals.md, "Pre-started shells") ---------------------------
+# The most idle shells the host keeps (`[exec] idle_shells`, validated in config.py to this).
+MAX_IDLE_SHELLS = 8
+# The shell's `read` takes a command from a socket one byte per system call (about 0.3 µs a
+# byte here: 0.6 ms for this size, against the 1.3 ms a fresh shell's start costs): a longer
+# command is spawned fresh, where it is not slower than before.
+POOL_MAX_COMMAND_BYTES = 2048
+# Only bash runs the stub (its `read -d ''`, `eval`); another shell is spawned fresh.
+POOL_SHELL_NAME = "bash"
+# The variables the stub reads the command into and keeps bash's first `$_` in (both unset
+# before the command runs).
+POOL_VARIABLE = "__sst_command"
+POOL_UNDERSCORE_VARIABLE = "__sst_underscore"
+# Environment bash acts on at its start, which would then act on the stub too or happen
+# before the call instead of at it: a file sourced at start (BASH_ENV, ENV), options such as
+# xtrace (SHELLOPTS, BASHOPTS; BASH_XTRACEFD), SECONDS, and the stub's own variable. With any
+# of them, or an exported function (BASH_FUNC_*: it could stand in for a builtin the stub
+# uses), the command is spawned fresh.
+POOL_UNSAFE_ENV = frozenset(
+    {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_XTRACEFD", "SECONDS", POOL_VARIABLE, POOL_UNDERSCORE_VARIABLE}
+)
+POOL_UNSAFE_ENV_PREFIX = "BASH_FUNC_"
+
+
+def pool_stub(fd: int) -> str:
+    """The `-c` string an idle shell runs: keep bash's first `$_` (quoted), wait for the
+    command on descriptor `fd` (a unix socket: /proc/PID/fd/N of a socket cannot be opened,
+    so no other process of the command user can write a command into it), close it, reset
+    SECONDS, and run the command with `eval` in the same shell, after unsetting both
+    variables and a `:` whose last argument gives `$_` back its first value. An end of the
+    socket without a whole command (the host died or killed the pool) exits, running
+    nothing. IFS empty and -r: the command arrives byte for byte."""
+    v, u = POOL_VARIABLE, POOL_UNDERSCORE_VARIABLE
+    return (
+        f"printf -v {u} %q \"$_\"; IFS= read -r -d '' {v} <&{fd} || exit 0; exec {fd}<&-; SECONDS=0; "
+        f"eval \"unset {v} {u}; : ${u};${v}\""
+    )
+
+
+def pool_key(spec: HolderSpec) -> HolderSpec | None:
+    """What an idle shell must have been started with to run `spec`: the whole spec except
+    the command itself, the call's cgroups (the shell is moved into them) and what only the
+    host's takeover uses (timeout, grace, spool cap). None: `spec` is never run pooled (not
+    `bash -c <command>`: another shell, a login shell, a terminal; or a long command)."""
+    if len(spec.argv) != 3 or spec.argv[1] != "-c" or os.path.basename(spec.argv[0]) != POOL_SHELL_NAME:
+        return None
+    command = _command_bytes(spec)
+    if spec.pty is not None or command is None or len(command) > POOL_MAX_COMMAND_BYTES:
+        return None
+    if any(name in POOL_UNSAFE_ENV or name.startswith(POOL_UNSAFE_ENV_PREFIX) for name in spec.env):
+        return None
+    return spec._replace(
+        argv=(spec.argv[0], "-c"),
+        cgroup=None,
+        cgroup_also=(),
+        timeout_s=None,
+        kill_grace_s=0.0,
+        spool_max_bytes=0,
+        stdin="null",
+    )
+
+
+def _command_bytes(spec: HolderSpec) -> bytes | None:
+    """The command as a fresh shell's argv would carry it (Popen encodes argv so); None for
+    one that cannot be encoded (Popen refuses it: the fresh spawn reports that)."""
+    try:
+        return os.fsencode(spec.argv[-1])
+    except UnicodeError:
+        return None
+
+
+class IdleShell(NamedTuple):
+    pid: int
+    start_ticks: int
+    outputs: dict[Stream, int]  # the host's read ends of its stdout and stderr
+    channel: socket.socket  # the host's end of the socket its command arrives on
+
+
+class ShellPool:
+    """Shells started ahead of their command, as Spawner starts a command (the command user's
+    ids, env, cwd, own session, OOM score, stdin /dev/null, stdout and stderr pipes), each
+    waiting on a socket for its command (`pool_stub`). `take` hands one out for a spec whose
+    key matches, moved into the call's cgroups before it is sent its command; `refill` starts
+    the replacements (after the `spawned` answer). Shells made for another key are killed
+    when the key changes. Nothing here ever fails a call: no shell, a dead one, a refused
+    cgroup move or a failed send, and the command is spawned as without a pool."""
+
+    def __init__(self, spawner: Spawner, size: int = 0) -> None:
+        self.spawner = spawner
+        self.size = size
+        self.key: HolderSpec | None = None
+        self.idle: list[IdleShell] = []
+        self.killed: list[int] = []  # killed shells not yet reaped (never blocked on)
+
+    def take(self, spec: HolderSpec) -> IdleShell | None:
+        """An idle shell running `spec`'s command in `spec`'s cgroups, or None."""
+        self._reap_killed()
+        key = pool_key(spec)
+        if key is None or key != self.key or not self.size:
+            return None
+        while self.idle:
+            shell = self.idle.pop(0)  # the oldest: the longest settled
+            state = self._state(shell.pid)
+            if state != "waiting":
+                if state == "gone":
+                    self._close(shell)
+                else:
+                    self._kill(shell)
+                continue
+            if not _same_directory(shell.pid, spec.cwd):
+                # The cwd was removed or replaced since the shell entered it: a fresh spawn
+                # enters the directory the path names now (or fails as it always did).
+                self._kill(shell)
+                continue
+            try:
+                # Into the call's cgroups before it has its command: nothing of the agent's
+                # runs outside them. As root, by pid (the shell cannot move itself).
+                for directory in [] if spec.cgroup is None else [spec.cgroup, *spec.cgroup_also]:
+                    _move(os.path.join(directory, "cgroup.procs"), shell.pid)
+                shell.channel.sendall(os.fsencode(spec.argv[2]) + b"\0")  # pool_key: it encodes
+            except OSError:
+                # A cgroup gone or refused, or a shell that died: the spawn as without a pool
+                # (which reports a vanished cgroup as it always did).
+                self._kill(shell)
+                return None
+            shell.channel.close()
+            return shell
+        return None
+
+    def refill(self, spec: HolderSpec) -> None:
+        """Start idle shells for `spec`'s key up to the size; those of another key are killed."""
+        self._reap_killed()
+        key = pool_key(spec)
+        if key is None or not self.size or not self.spawner.usable:
+            return
+        if key != self.key:
+            self.clear()
+            self.key = key
+        while len(self.idle) < self.size:
+            shell = self._start(key)
+            if shell is None:
+                return
+            self.idle.append(shell)
+
+    def resize(self, size: int) -> None:
+        self.size = max(0, min(size, MAX_IDLE_SHELLS))
+        while len(self.idle) > self.size:
+            self._kill(self.idle.pop())
+
+    def clear(self) -> None:
+        """Kill every idle shell (the key changed, the daemon is gone)."""
+        while self.idle:
+            self._kill(self.idle.pop())
+        self._reap_killed()
+
+    def _start(self, key: HolderSpec) -> IdleShell | None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            stdio = holder.open_stdio(key)
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        ours.set_inheritable(False)
+        stub = key._replace(argv=(key.argv[0], "-c", pool_stub(theirs.fileno())))
+        try:
+            pid = self.spawner.spawn(stub, stdio, (theirs.fileno(),))
+        except (holder.SpawnError, OSError) as exc:
+            if not isinstance(exc, holder.SpawnError):  # the fork itself: the ends are still open
+                _close_child_ends(stdio)
+            ours.close()
+            for fd in stdio.outputs.values():
+                os.close(fd)
+            return None
+        finally:
+            theirs.close()
+        try:
+            ticks = holder._start_ticks(pid)
+        except (OSError, ValueError, IndexError):
+            ticks = 0
+        return IdleShell(pid, ticks, dict(stdio.outputs), ours)
+
+    @staticmethod
+    def _state(pid: int) -> str:
+        """"waiting", "stopped" (by a signal: it would hold its call until the timeout, where a
+        fresh shell runs) or "gone" (it exited, and is reaped now: its pid must not be
+        signalled any more). One waitid that consumes nothing (WNOWAIT), then a reap."""
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return "gone"
+        if info is None:
+            return "waiting"
+        if info.si_code == os.CLD_STOPPED:
+            return "stopped"
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # it exited: the status is there, this does not block
+        return "gone"
+
+    def _kill(self, shell: IdleShell) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        self.killed.append(shell.pid)
+        self._close(shell)
+
+    @staticmethod
+    def _close(shell: IdleShell) -> None:
+        shell.channel.close()
+        for fd in shell.outputs.values():
+            os.close(fd)
+
+    def _reap_killed(self) -> None:
+        for pid in list(self.killed):
+            try:
+                done = os.waitpid(pid, os.WNOHANG)[0] != 0
+            except ChildProcessError:
+                done = True
+            if done:
+                self.killed.remove(pid)
+
+
+def _same_directory(pid: int, path: str) -> bool:
+    """Whether process `pid`'s working directory is the directory `path` names now."""
+    try:
+        here, there = os.stat(f"/proc/{pid}/cwd"), os.stat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _move(procs: str, pid: int) -> None:
+    """Move process `pid` into the cgroup of `procs`."""
+    fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(pid).encode())
+    finally:
+        os.close(fd)
+
+
 class Hosted:
     """One command: its pid, the host's duplicates of its pipes, and how it ended."""
 
@@ -291,6 +536,7 @@ class Host:
         self.selector = selectors.DefaultSelector()
         self.commands: dict[str, Hosted] = {}
         self.spawner = Spawner()
+        self.pool = ShellPool(self.spawner)  # sized by each spawn request (`idle_shells`)
         daemon.setblocking(True)
         for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             try:
@@ -376,6 +622,15 @@ class Host:
         if call_id in self.commands:
             self._send({"op": "failed", "id": call_id, "stage": "spec", "errno": 0, "message": "call_id in use"})
             return
+        idle_shells = message.get("idle_shells", 0)
+        self.pool.resize(idle_shells if isinstance(idle_shells, int) and not isinstance(idle_shells, bool) else 0)
+        shell = self.pool.take(spec)
+        if shell is not None:
+            # The shell's start time is its identity (with the pid) for a restart's clean-up
+            # and adoption; it precedes the call (docs/internals.md, "Pre-started shells").
+            self._started(Hosted(call_id, directory, spec, shell.pid, shell.outputs), shell.start_ticks)
+            self.pool.refill(spec)  # after the answer: off the call's path
+            return
         try:
             stdio = holder.open_stdio(spec)
         except OSError as exc:
@@ -392,19 +647,23 @@ class Host:
             stage, code = (exc.stage, exc.errno) if isinstance(exc, holder.SpawnError) else ("fork", exc.errno or 0)
             self._send({"op": "failed", "id": call_id, "stage": stage, "errno": code, "message": str(exc)})
             return
-        command = Hosted(call_id, directory, spec, pid, dict(stdio.outputs))
-        self.commands[call_id] = command
-        try:
-            command.pidfd = os.pidfd_open(pid)
-            self.selector.register(command.pidfd, selectors.EVENT_READ, lambda _m, c=command: self._reap(c))
-        except OSError:
-            command.pidfd = None  # a kernel before 5.3: polled (REAP_POLL_S)
         try:
             ticks = holder._start_ticks(pid)
         except (OSError, ValueError, IndexError):
             ticks = 0
+        self._started(Hosted(call_id, directory, spec, pid, dict(stdio.outputs)), ticks)
+        self.pool.refill(spec)  # after the answer: off the call's path
+
+    def _started(self, command: Hosted, ticks: int) -> None:
+        """Tend a command that runs and answer `spawned` with its pipes."""
+        self.commands[command.call_id] = command
+        try:
+            command.pidfd = os.pidfd_open(command.pid)
+            self.selector.register(command.pidfd, selectors.EVENT_READ, lambda _m, c=command: self._reap(c))
+        except OSError:
+            command.pidfd = None  # a kernel before 5.3: polled (REAP_POLL_S)
         self._send(
-            {"op": "spawned", "id": call_id, "pid": pid, "start_ticks": ticks},
+            {"op": "spawned", "id": command.call_id, "pid": command.pid, "start_ticks": ticks},
             [command.outputs["stdout"], command.outputs["stderr"]],
         )
 
@@ -458,6 +717,7 @@ class Host:
 
     def _take_over(self) -> None:
         assert self.daemon is not None
+        self.pool.clear()
         self.selector.unregister(self.daemon)
         self.daemon.close()
         self.daemon = None

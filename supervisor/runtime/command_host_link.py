@@ -100,7 +100,9 @@ class CommandHost:
     what it reads for others. So nothing keeps a nursery open once the commands are done, and
     the host's messages wait in the socket's buffer while nobody waits for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_shells: int = 0) -> None:
+        # `[exec] idle_shells`: how many pre-started shells the host keeps (command_host.ShellPool).
+        self.idle_shells = idle_shells
         self._lock = trio.Lock()  # one spawn at a time: the next answer is its own
         self._socket: trio.socket.SocketType | None = None
         self._raw: socket.socket | None = None
@@ -117,11 +119,12 @@ class CommandHost:
     async def spawn(self, call_id: str, directory: Path, spec: HolderSpec) -> HostedProcess:
         """Start `spec` (stdin /dev/null, no terminal) for `call_id`; SpawnFailed when it did
         not start, OSError when the host itself cannot be started or reached."""
-        message = json.dumps({"op": "spawn", "id": call_id, "dir": str(directory), "spec": spec.to_json()}).encode()
+        request = {"op": "spawn", "id": call_id, "dir": str(directory), "idle_shells": self.idle_shells}
+        message = json.dumps({**request, "spec": spec.to_json()}).encode()
         if len(message) > INLINE_SPEC_MAX_BYTES:
             # A datagram must fit the socket's send buffer (2 × net.core.wmem_max: 416 KiB on
             # a stock kernel); a large environment goes by file, in the call's private spool.
-            message = await trio.to_thread.run_sync(_spec_by_file, call_id, directory, spec)
+            message = await trio.to_thread.run_sync(_spec_by_file, call_id, directory, spec, self.idle_shells)
         # Shielded, with its own deadline: cut off between the request and the answer, a
         # spawn would leave a command running that nobody tends.
         with trio.CancelScope(shield=True):
@@ -341,7 +344,7 @@ class CommandHost:
         await self._reap()
 
 
-def _spec_by_file(call_id: str, directory: Path, spec: HolderSpec) -> bytes:
+def _spec_by_file(call_id: str, directory: Path, spec: HolderSpec, idle_shells: int) -> bytes:
     """Write the spec beside the call's spool (created private, as the spool is) and return
     the request that names it; the host reads and removes it."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -349,7 +352,8 @@ def _spec_by_file(call_id: str, directory: Path, spec: HolderSpec) -> bytes:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(spec.to_json(), handle)
-    return json.dumps({"op": "spawn", "id": call_id, "dir": str(directory), "spec_file": HOST_SPEC_FILE}).encode()
+    request = {"op": "spawn", "id": call_id, "dir": str(directory), "idle_shells": idle_shells}
+    return json.dumps({**request, "spec_file": HOST_SPEC_FILE}).encode()
 
 
 def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

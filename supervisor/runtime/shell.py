@@ -106,6 +106,8 @@ class ShellSettings:
     account_env: Mapping[str, str] = field(default_factory=dict)
     # `[exec] login_shell`: `<shell> -l -c`, except for guarded calls (shell_argv).
     login_shell: bool = False
+    # `[exec] idle_shells`: pre-started shells the command host keeps (command_host.ShellPool).
+    idle_shells: int = 0
     # One cgroup per command (runtime/cgroups.py), as detected at start; None or a
     # process-group mode: process groups alone.
     cgroups: Cgroups | None = None
@@ -129,6 +131,7 @@ class ShellSettings:
             identity=identity,
             account_env=account_environment(identity),
             login_shell=ex.login_shell,
+            idle_shells=ex.idle_shells,
             cgroups=cgroups,
         )
 
@@ -348,7 +351,7 @@ class ShellRuntime:
         # How many held processes (process_host.py) run: they share max_processes; and their
         # spools, which a prune must keep (their holders still write them).
         # The commands' parent (command_host.py), started with the first command.
-        self.host = CommandHost()
+        self.host = CommandHost(settings.idle_shells)
         # Commands a previous daemon left running under its command host, by call_id.
         self.adopted: dict[str, AdoptedGroup] = {}
         self.held_running: Callable[[], int] = lambda: 0
