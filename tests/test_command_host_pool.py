@@ -10,7 +10,6 @@ import errno
 import os
 import pwd
 import re
-import select
 import signal
 import subprocess
 import time
@@ -22,7 +21,7 @@ import trio
 from sandbox_supervisor.daemon.runtime import command_host, holder
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
-from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, fast_only
+from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, drain_and_reap, fast_only
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SST_PROBE": "a b\nc", "LC_ALL": "C"}
 # bash's own variables that differ in a pooled shell (docs/protocol.md, 7.4.1): the -c string
@@ -69,20 +68,8 @@ def spec_for(command: str, cwd: Path, cgroup=None, env=None, **ids: object) -> H
 
 def collect(pid: int, outputs: dict[str, int]) -> tuple[str, str, int]:
     """Read both pipes to their end and reap: stdout, stderr, the Popen-style return code."""
-    data = {fd: bytearray() for fd in outputs.values()}
-    open_fds = set(data)
-    while open_fds:
-        ready, _, _ = select.select(list(open_fds), [], [], DEADLINE_S)
-        assert ready, "the command did not finish"
-        for fd in ready:
-            chunk = os.read(fd, 65536)
-            if chunk:
-                data[fd] += chunk
-            else:
-                open_fds.discard(fd)
-                os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    return data[outputs["stdout"]].decode(errors="surrogateescape"), data[outputs["stderr"]].decode(errors="surrogateescape"), os.waitstatus_to_exitcode(status)
+    stdout, stderr, status = drain_and_reap(pid, outputs)
+    return stdout.decode(errors="surrogateescape"), stderr.decode(errors="surrogateescape"), os.waitstatus_to_exitcode(status)
 
 
 def fresh(spawner: command_host.Spawner, spec: HolderSpec) -> tuple[int, tuple[str, str, int]]:

@@ -62,25 +62,31 @@ def probe_spec(cwd: Path, cgroup: cgroups.CommandCgroup | None = None, **ids: ob
     )
 
 
+def drain_and_reap(pid: int, outputs: dict[str, int]) -> tuple[bytes, bytes, int]:
+    """Read the stdout and stderr pipes (`outputs`, by name) to their end, close them, and
+    reap `pid`: both outputs and the wait status."""
+    data = {fd: bytearray() for fd in outputs.values()}
+    open_fds = set(data)
+    while open_fds:
+        ready, _, _ = select.select(list(open_fds), [], [], DEADLINE_S)
+        assert ready, "the command did not finish"
+        for fd in ready:
+            chunk = os.read(fd, 65536)
+            if chunk:
+                data[fd] += chunk
+            else:
+                open_fds.discard(fd)
+                os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    return bytes(data[outputs["stdout"]]), bytes(data[outputs["stderr"]]), status
+
+
 def run(spawn: object, spec: HolderSpec) -> tuple[bytes, bytes, int]:
     """Spawn with `spawn(spec, stdio)`, read both pipes to their end, reap; the outputs and
     the wait status."""
     stdio = holder.open_stdio(spec)
     pid = spawn(spec, stdio)  # type: ignore[operator]
-    outputs = {fd: bytearray() for fd in stdio.outputs.values()}
-    open_fds = set(outputs)
-    while open_fds:
-        ready, _, _ = select.select(list(open_fds), [], [], DEADLINE_S)
-        assert ready, "the probe did not finish"
-        for fd in ready:
-            chunk = os.read(fd, 65536)
-            if chunk:
-                outputs[fd] += chunk
-            else:
-                open_fds.discard(fd)
-                os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    return bytes(outputs[stdio.outputs["stdout"]]), bytes(outputs[stdio.outputs["stderr"]]), status
+    return drain_and_reap(pid, dict(stdio.outputs))
 
 
 def drop_fds(result: tuple[bytes, bytes, int]) -> tuple[bytes, bytes, int]:
