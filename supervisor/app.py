@@ -17,7 +17,6 @@ from pathlib import Path
 
 import structlog
 import trio
-import trio_websocket
 
 from sandbox_supervisor.protocol import closes, errors
 from sandbox_supervisor.protocol.authority import JwksError, VerifierSettings
@@ -29,6 +28,7 @@ from sandbox_supervisor.daemon.auth.keyring import KeyRing, unusable_jwks
 from sandbox_supervisor.daemon.config import JWKS_FILE_KEY, SupervisorConfig, config_problem
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.edge.activation import ActivationError, open_daemon_listeners
+from sandbox_supervisor.daemon.websocket import ServerWebSocket
 from sandbox_supervisor.daemon.edge.server import (
     BoundListeners,
     FrontLimits,
@@ -199,7 +199,7 @@ class DaemonFront:
             return decision
         return self.daemon.admission.admit(head)
 
-    async def run_socket(self, ws: trio_websocket.WebSocketConnection, admit: Admit) -> None:
+    async def run_socket(self, ws: ServerWebSocket, admit: Admit) -> None:
         assert self.daemon is not None and self.daemon.sessions is not None  # admitted only once assembled
         await serve_control_socket(ws, admit, self.daemon.sessions)
 

@@ -124,26 +124,15 @@ def test_binary_page_encoding_round_trips_and_refuses_what_is_not_a_page():
 
 class _HeldSocket:
     """A WebSocket whose writes wait until released: the reply queue fills up behind it. It
-    has what the sender's batched writes use (sender.send_messages): a protocol object that
-    frames a message as its bare payload here, and a stream whose writes are recorded."""
+    has what the sender writes with (`send_messages`), and records what was written."""
 
     def __init__(self) -> None:
         self.sent: list[str | bytes] = []
         self.release = trio.Event()
-        self._close_reason = None
-        self._stream_lock = trio.Lock()
-        self._wsproto = self
-        self._stream = self
-        # No wsproto connection to look at: the sender frames every message through send().
-        self.connection = None
 
-    def send(self, event: object) -> bytes:
-        data = event.data  # type: ignore[attr-defined]
-        return data if isinstance(data, bytes) else data.encode()
-
-    async def send_all(self, chunk: bytes) -> None:
+    async def send_messages(self, texts: list[str | bytes], **_: object) -> None:
         await self.release.wait()
-        self.sent.append(chunk)
+        self.sent.extend(texts)
 
 
 class _NoJournal:

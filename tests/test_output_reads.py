@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import trio
-import trio_websocket
 import wsproto.frame_protocol
 
 from sandbox_supervisor.daemon.runtime.command_output import CommandOutput, OutputLimits, StreamOutput
 from sandbox_supervisor.daemon.runtime.holder import OUTPUT_PIPE_BYTES
 from sandbox_supervisor.daemon.runtime.output import LiveOutput
 from sandbox_supervisor.daemon.runtime.spool import SpoolWriter, stream_path
-from sandbox_supervisor.daemon.session.sender import DIRECT_BINARY_MIN_BYTES, send_messages
+from sandbox_supervisor.daemon.websocket import LARGE_MESSAGE_BYTES
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
+from tests.ws_support import server_websocket_pair
 
 DEADLINE_S = 10
 POLL_S = 0.001
@@ -127,48 +127,20 @@ async def test_a_read_that_waits_for_a_prune_keeps_its_bytes_while_another_strea
 async def with_pair(body) -> None:
     """A real WebSocket over loopback TCP; `body(server_ws, client_ws)` with the server's
     stream's writes recorded (`server_ws.writes`)."""
-    send, receive = trio.open_memory_channel(1)
-
-    async def handler(request: trio_websocket.WebSocketRequest) -> None:
-        ws = await request.accept()
-        done = trio.Event()
-        await send.send((ws, done))
-        await done.wait()
-
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None)
-        async with trio_websocket.open_websocket("127.0.0.1", server.port, "/", use_ssl=False) as client:
-            with trio.fail_after(DEADLINE_S):
-                ws, done = await receive.receive()
-            inner = ws._stream
-            writes: list[object] = []
-
-            class Recording:
-                async def send_all(self, data: object) -> None:
-                    writes.append(data)
-                    await inner.send_all(data)
-
-                def __getattr__(self, name: str) -> object:
-                    return getattr(inner, name)
-
-            ws._stream = Recording()
-            ws.writes = writes
-            try:
-                with trio.fail_after(DEADLINE_S):
-                    await body(ws, client)
-            finally:
-                done.set()
-        nursery.cancel_scope.cancel()
+    async with server_websocket_pair() as (ws, recorded, client):
+        ws.writes = recorded.writes
+        with trio.fail_after(DEADLINE_S):
+            await body(ws, client)
 
 
-@pytest.mark.parametrize("size", [DIRECT_BINARY_MIN_BYTES, 1 << 20])
+@pytest.mark.parametrize("size", [LARGE_MESSAGE_BYTES, 1 << 20])
 async def test_a_large_binary_message_goes_out_as_its_header_and_its_own_bytes(size):
     page = os.urandom(size)
     texts = ['{"kind":"before"}', page, '{"kind":"after"}']
 
     async def body(ws, client):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_messages, ws, texts)
+            nursery.start_soon(ws.send_messages, texts)
             received = [await client.get_message() for _ in texts]
         assert received == texts
         # The page itself was written, not a copy; the text before it went first.

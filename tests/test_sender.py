@@ -9,10 +9,13 @@ import pytest
 import trio
 import trio.testing
 import trio_websocket
+import wsproto.frame_protocol
 
-from sandbox_supervisor.daemon.session.sender import WRITE_BATCH_MAX_BYTES, SocketSender, send_messages
+from sandbox_supervisor.daemon.websocket import LARGE_MESSAGE_BYTES, WRITE_BATCH_MAX_BYTES, ConnectionClosed, ServerWebSocket, StreamIO
+from sandbox_supervisor.daemon.session.sender import SocketSender
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
+from tests.ws_support import RecordingIO, server_websocket_pair
 
 FRAME_TIMEOUT_S = 10.0
 
@@ -22,78 +25,50 @@ def tool_result(n: int) -> dict:
             "tool_name": "read_file", "ok": True, "result": {"n": n}}
 
 
-class CountingStream:
-    """Stands in for the server side's stream: counts the writes, passes everything on."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self._inner = inner
-        self.writes: list[int] = []
-        self.data = bytearray()
-
-    async def send_all(self, data: bytes) -> None:
-        self.writes.append(len(data))
-        self.data += data
-        await self._inner.send_all(data)
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
+async def with_pair(body: Callable[[ServerWebSocket, RecordingIO, trio_websocket.WebSocketConnection], object]) -> None:
+    """A real WebSocket over loopback TCP; `body(server_ws, its recorded stream, client_ws)`."""
+    async with server_websocket_pair() as (ws, counted, client):
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            await body(ws, counted, client)
 
 
-async def with_pair(body: Callable[[trio_websocket.WebSocketConnection, CountingStream, trio_websocket.WebSocketConnection], object]) -> None:
-    """A real WebSocket over loopback TCP; `body(server_ws, its counted stream, client_ws)`."""
-    send, receive = trio.open_memory_channel(1)
-
-    async def handler(request: trio_websocket.WebSocketRequest) -> None:
-        ws = await request.accept()
-        done = trio.Event()
-        await send.send((ws, done))
-        await done.wait()
-
-    async with trio.open_nursery() as nursery:
-        server = await nursery.start(trio_websocket.serve_websocket, handler, "127.0.0.1", 0, None)
-        port = server.port
-        async with trio_websocket.open_websocket("127.0.0.1", port, "/", use_ssl=False) as client:
-            with trio.fail_after(FRAME_TIMEOUT_S):
-                ws, done = await receive.receive()
-            counted = CountingStream(ws._stream)
-            ws._stream = counted
-            try:
-                with trio.fail_after(FRAME_TIMEOUT_S):
-                    await body(ws, counted, client)
-            finally:
-                done.set()
-        nursery.cancel_scope.cancel()
+def counted_writes(counted: RecordingIO) -> list[int]:
+    return [len(data) for data in counted.writes]
 
 
 async def test_frames_ready_together_are_one_write_and_arrive_intact():
     texts = ["first", '{"kind":"x","text":"é ✓ 😀"}', "third" * 100]
 
     async def body(ws, counted, client):
-        await send_messages(ws, texts)
+        await ws.send_messages(texts)
         assert counted.writes and len(counted.writes) == 1
         assert [await client.get_message() for _ in texts] == texts
-        # Byte for byte what one send_message per frame writes.
+        # Byte for byte what one send_message per frame writes, and what wsproto frames.
         batched = bytes(counted.data)
         counted.data.clear()
         for text in texts:
             await ws.send_message(text)
         assert bytes(counted.data) == batched
+        framer = wsproto.frame_protocol.FrameProtocol(client=False, extensions=[])
+        assert batched == b"".join(bytes(framer.send_data(text, True)) for text in texts)
         assert [await client.get_message() for _ in texts] == texts
 
     await with_pair(body)
 
 
 async def test_a_burst_larger_than_a_write_is_split_and_stays_in_order():
-    # Four frames of half a write each: two writes, never one frame split across messages.
-    size = WRITE_BATCH_MAX_BYTES // 2
-    texts = [chr(ord("a") + i) * size for i in range(4)]
+    # Sixteen frames of an eighth of a write each (each below LARGE_MESSAGE_BYTES, so
+    # batched): two writes, never one frame split across messages.
+    size = WRITE_BATCH_MAX_BYTES // 8
+    assert size < LARGE_MESSAGE_BYTES
+    texts = [chr(ord("a") + i) * size for i in range(16)]
 
     async def body(ws, counted, client):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_messages, ws, texts)
+            nursery.start_soon(ws.send_messages, texts)
             received = [await client.get_message() for _ in texts]
         assert received == texts
-        assert len(counted.writes) == 2, counted.writes
+        assert len(counted.writes) == 2, counted_writes(counted)
 
     await with_pair(body)
 
@@ -115,7 +90,7 @@ async def test_a_reply_and_the_events_after_it_go_out_in_one_write(tmp_path):
             nursery.cancel_scope.cancel()
         assert received[0] == '{"kind":"exec.stdin_ack"}'
         assert ['"seq":1' in received[1], '"seq":2' in received[2]] == [True, True]
-        assert len(counted.writes) == 1, counted.writes
+        assert len(counted.writes) == 1, counted_writes(counted)
 
     try:
         await with_pair(body)
@@ -126,7 +101,7 @@ async def test_a_reply_and_the_events_after_it_go_out_in_one_write(tmp_path):
 async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection_closed():
     # Review finding: the batch's first write is under way when the peer's Close arrives;
     # the next message must end the batch with ConnectionClosed (what the sender handles),
-    # not wsproto's LocalProtocolError for a send in state CLOSED (a crash of the socket).
+    # never a data frame after the close, nor an error of another kind (a crash of the socket).
     texts = ["x" * WRITE_BATCH_MAX_BYTES, "second"]
 
     async def body(ws, counted, client):
@@ -134,21 +109,30 @@ async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection
 
         async with trio.open_nursery() as nursery:
 
+            async def read_the_close() -> None:
+                # The socket's reader task reads the peer's Close and answers it (once the
+                # write lets go of the stream).
+                with pytest.raises(ConnectionClosed):
+                    await ws.get_message()
+
             async def first_write_then_wait_for_the_close(data: bytes) -> None:
                 await passed_on(data)
-                # The client's close handshake completes once this write lets go of the
-                # stream (the server's Close reply needs it): started, not awaited.
                 nursery.start_soon(client.aclose)
+                nursery.start_soon(read_the_close)
                 while ws._close_reason is None:  # the server side has read the peer's Close
                     await trio.sleep(0.005)
 
-            counted.send_all = first_write_then_wait_for_the_close
+            counted.send_all = first_write_then_wait_for_the_close  # type: ignore[method-assign]
             try:
-                await send_messages(ws, texts)
-            except trio_websocket.ConnectionClosed:
+                await ws.send_messages(texts)
+            except ConnectionClosed:
                 pass
             else:
                 raise AssertionError("a batch after the peer's Close ended without ConnectionClosed")
+            counted.send_all = passed_on  # type: ignore[method-assign]
+        # Nothing after the first message's frame was written: no data frame after a close.
+        assert len(counted.writes) == 3, counted_writes(counted)  # header, payload, the close's answer
+        assert bytes(counted.writes[2])[0] == 0x88  # a close frame
 
     await with_pair(body)
 
@@ -156,17 +140,7 @@ async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection
 class _FullQueueSocket:
     """A WebSocket that never completes a write: the reply queue fills and stays full."""
 
-    _close_reason = None
-
-    def __init__(self) -> None:
-        self._stream_lock = trio.Lock()
-        self._wsproto = self
-        self._stream = self
-
-    def send(self, event: object) -> bytes:
-        return b""
-
-    async def send_all(self, chunk: bytes) -> None:
+    async def send_messages(self, texts: object, **_: object) -> None:
         await trio.sleep_forever()
 
 
@@ -251,22 +225,22 @@ async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a
         def after_task_step(self, task: trio.lowlevel.Task) -> None:
             self.ended.append(task)
 
-    class WatchedStream(CountingStream):
+    class WatchedStream(RecordingIO):
         steps_before_write: list[int] = []
 
-        async def send_all(self, data: bytes) -> None:
+        async def send_all(self, data: bytes | bytearray | memoryview) -> None:
             self.steps_before_write.append(steps.ended.count(trio.lowlevel.current_task()))
             await super().send_all(data)
 
     steps = Steps()
 
     async def body(ws, counted, client):
-        watched = WatchedStream(counted._inner)
-        ws._stream = watched
+        watched = WatchedStream(counted.stream)
+        ws._io = watched
         trio.lowlevel.add_instrument(steps)
         try:
             steps.ended.clear()
-            await send_messages(ws, ["echo"])
+            await ws.send_messages(["echo"])
         finally:
             trio.lowlevel.remove_instrument(steps)
         assert watched.steps_before_write == [0]  # no yield between the call and the write
@@ -276,14 +250,14 @@ async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a
         released = trio.Event()
 
         async def hold_then_release(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            async with ws._stream_lock:
+            async with ws._write_lock:
                 task_status.started()
                 await trio.testing.wait_all_tasks_blocked()  # the write below waits on it
                 released.set()
 
         async with trio.open_nursery() as nursery:
             await nursery.start(hold_then_release)
-            await send_messages(ws, ["after", "the lock"])
+            await ws.send_messages(["after", "the lock"])
             assert released.is_set()
         assert [await client.get_message() for _ in range(2)] == ["after", "the lock"]
 
@@ -292,7 +266,7 @@ async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a
 
 class NoYieldStream:
     """A socket stream whose writes are taken at once, without a checkpoint: as the edge's
-    direct write (ReplayStream) when the socket has room."""
+    direct write (StreamIO) when the socket has room."""
 
     def __init__(self) -> None:
         self.writes = 0
@@ -315,7 +289,7 @@ async def test_writes_that_do_not_yield_still_let_other_tasks_run_between_them(t
 
     async def body(ws, counted, client):
         stream = NoYieldStream()
-        ws._stream = stream
+        ws._io = stream
         sender = SocketSender(ws, journal, cursor=0)
         seen: list[int] = []
 
@@ -329,7 +303,7 @@ async def test_writes_that_do_not_yield_still_let_other_tasks_run_between_them(t
             nursery.start_soon(watch)
             await sender.flush(journal.last_seq)
             nursery.cancel_scope.cancel()
-        ws._stream = counted  # the real stream again, for the close
+        ws._io = counted  # the real stream again, for the close
         assert stream.writes == 3
         assert any(0 < writes < 3 for writes in seen), seen  # it ran between the writes
 
@@ -351,13 +325,13 @@ async def test_a_sender_kept_busy_by_writes_that_do_not_yield_stops_when_cancell
 
     async def body(ws, counted, client):
         stream = NoYieldStream()
-        ws._stream = stream
+        ws._io = stream
         sender = SocketSender(ws, journal, cursor=0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sender.run)
             await stream.first.wait()
             nursery.cancel_scope.cancel()
-        ws._stream = counted  # the real stream again, for the close
+        ws._io = counted  # the real stream again, for the close
         assert sender.stopped
         assert stream.writes < 8, stream.writes  # not the whole backlog
 
@@ -368,13 +342,11 @@ async def test_a_sender_kept_busy_by_writes_that_do_not_yield_stops_when_cancell
 
 
 async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full():
-    """ReplayStream writes a socket without trio's pass of the event loop after a write the
+    """StreamIO writes a socket without trio's pass of the event loop after a write the
     socket took at once; a full socket is waited on and every byte arrives in order; a closed
     stream and a broken connection fail as trio's own send_all does."""
     import socket as stdlib_socket
     import struct
-
-    from sandbox_supervisor.daemon.edge.server import ReplayStream
 
     class Steps(trio.abc.Instrument):
         def __init__(self) -> None:
@@ -387,7 +359,7 @@ async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full
     port = listeners[0].socket.getsockname()[1]
     client = await trio.open_tcp_stream("127.0.0.1", port)
     server = await listeners[0].accept()
-    replay = ReplayStream(server, b"", b"")
+    replay = StreamIO(server)
     try:
         steps = Steps()
         trio.lowlevel.add_instrument(steps)
@@ -428,20 +400,17 @@ async def test_the_edge_writes_a_socket_directly_and_waits_only_while_it_is_full
 
 
 async def test_the_edge_reads_a_socket_once_it_is_readable_and_fails_as_trio_does():
-    """ReplayStream's direct read (it waits for readability before reading): what the peer
+    """StreamIO's direct read (it waits for readability before reading): what the peer
     sent, in order; b"" at the end of the stream; BrokenResourceError on a reset connection
     and ClosedResourceError once the stream is closed, as trio's own receive_some."""
     import socket as stdlib_socket
     import struct
 
-    from sandbox_supervisor.daemon.edge.server import ReplayStream
-
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
     try:
         client = await trio.open_tcp_stream("127.0.0.1", port)
-        replay = ReplayStream(await listeners[0].accept(), b"head", b"")
-        assert await replay.receive_some() == b"head"  # the replayed head comes first
+        replay = StreamIO(await listeners[0].accept())
 
         async def send_later() -> None:
             await trio.testing.wait_all_tasks_blocked()  # the reader waits for it
@@ -462,7 +431,7 @@ async def test_the_edge_reads_a_socket_once_it_is_readable_and_fails_as_trio_doe
             await replay.receive_some()
 
         client = await trio.open_tcp_stream("127.0.0.1", port)
-        replay = ReplayStream(await listeners[0].accept(), b"", b"")
+        replay = StreamIO(await listeners[0].accept())
         client.socket.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_LINGER, struct.pack("ii", 1, 0))
         await client.aclose()  # a reset
         with trio.fail_after(FRAME_TIMEOUT_S), pytest.raises(trio.BrokenResourceError):

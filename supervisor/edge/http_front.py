@@ -140,6 +140,13 @@ def _header_values(head: RequestHead, name: bytes) -> list[bytes]:
     return [value for key, value in head.headers if key == name]
 
 
+def websocket_key(head: RequestHead) -> bytes:
+    """The `Sec-WebSocket-Key` of a head that `is_valid_websocket_handshake` passed (exactly
+    one, ASCII, not empty), as h11 parsed it: what the 101's accept token is made from."""
+    (key,) = _header_values(head, b"sec-websocket-key")
+    return key
+
+
 def _tokens(values: list[bytes]) -> set[bytes]:
     return {token.strip().lower() for value in values for token in value.split(b",")}
 

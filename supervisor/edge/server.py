@@ -21,21 +21,16 @@ from typing import Protocol
 
 import structlog
 import trio
-import trio_websocket
 
 from sandbox_supervisor.protocol.addresses import format_host_port, parse_host_port
-from sandbox_supervisor.daemon import fd_wait
 from sandbox_supervisor.daemon.edge import http_front
+from sandbox_supervisor.daemon.websocket import ServerWebSocket, StreamIO, accept_response
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
 
 log = structlog.get_logger("supervisor.server")
 
+# What one read of a request head (or of what is drained after a response) asks for.
 RECEIVE_CHUNK_BYTES = 64 * 1024
-# trio-websocket's default 4 KiB receive buffer makes large messages ~3x slower.
-WEBSOCKET_RECEIVE_BUFFER_BYTES = 64 * 1024
-# Our reader task always waits in get_message, so a small queue keeps pings answered while
-# bounding what an unread peer can make us hold.
-WEBSOCKET_MESSAGE_QUEUE = 8
 # After answering a plain request: half-close, then read (and drop) what the peer still sends
 # for at most this long. Closing with unread bytes makes the kernel send RST, and the peer
 # sees ECONNRESET instead of our response.
@@ -62,7 +57,7 @@ class ConnectionApp(Protocol):
 
     def admit_upgrade(self, head: http_front.RequestHead) -> Admit | Refuse: ...
 
-    async def run_socket(self, ws: trio_websocket.WebSocketConnection, admit: Admit) -> None: ...
+    async def run_socket(self, ws: ServerWebSocket, admit: Admit) -> None: ...
 
 
 class HandshakeSlots:
@@ -318,94 +313,6 @@ def unix_peer_uid(stream: trio.abc.Stream) -> int | None:
     return int(uid)
 
 
-# What one read of a control socket asks for (trio's SocketStream default).
-RECEIVE_CHUNK_BYTES = 65536
-
-
-class ReplayStream(trio.abc.HalfCloseableStream):
-    """Gives wsproto the request head we already read, then the live stream.
-
-    wsproto discards bytes that arrive after the head but before its 101 is sent, so anything
-    a pipelining client sent early is held back until the first send (the 101) has gone out.
-    """
-
-    def __init__(self, inner: trio.abc.HalfCloseableStream, head: bytes, early: bytes) -> None:
-        self._inner = inner
-        self._head = head
-        self._early = early
-        self._sent = trio.Event()
-        # A socket's writes go to it directly (_send_direct); another stream's through it.
-        self._socket = inner.socket if isinstance(inner, trio.SocketStream) else None
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        if self._socket is None:
-            await self._inner.send_all(data)
-        else:
-            await self._send_direct(self._socket, data)
-        self._sent.set()
-
-    @staticmethod
-    async def _send_direct(sock: trio.socket.SocketType, data: bytes | bytearray | memoryview) -> None:
-        """The whole of `data` to the socket, waiting only while it is full. trio's
-        `SocketStream.send_all` yields to the scheduler after a send that took everything at
-        once: a pass of the event loop per frame written (every keystroke's echo and its
-        exec.stdin_ack). Here only a full socket waits (`wait_writable`: a checkpoint, where
-        a write deadline cancels as before, leaving a partial frame as before). Callers hold
-        the WebSocket's stream lock, so no two sends interleave; the socket sender yields
-        between writes under load (`SocketSender.run`). Errors as trio's: a closed socket
-        ClosedResourceError, any other failure BrokenResourceError."""
-        with memoryview(data) as view:
-            sent = 0
-            while sent < len(view):
-                try:
-                    sent += os.write(sock.fileno(), view[sent:])
-                except BlockingIOError:
-                    await fd_wait.wait_writable(sock)  # closed: ClosedResourceError
-                except OSError as exc:
-                    if exc.errno == errno.EBADF:  # fileno() is -1 once the socket is closed
-                        raise trio.ClosedResourceError("the socket was already closed") from None
-                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        if self._head:
-            data, self._head = self._head, b""
-            return data
-        if self._early:
-            await self._sent.wait()
-            data, self._early = self._early, b""
-            return data
-        if self._socket is None:
-            return await self._inner.receive_some(max_bytes)
-        return await self._receive_direct(self._socket, RECEIVE_CHUNK_BYTES if max_bytes is None else max_bytes)
-
-    @staticmethod
-    async def _receive_direct(sock: trio.socket.SocketType, max_bytes: int) -> bytes:
-        """Up to `max_bytes` from the socket, waiting for it to be readable first: the peer
-        of a control socket mostly waits for an answer before it sends again, so trio's
-        receive, which reads first, fails with EAGAIN before nearly every message (a system
-        call per keystroke for nothing). Errors as trio's (closed: ClosedResourceError, any
-        other failure BrokenResourceError); b"" at the end of the stream."""
-        while True:
-            await fd_wait.wait_readable(sock)  # closed: ClosedResourceError
-            try:
-                return os.read(sock.fileno(), max_bytes)
-            except BlockingIOError:
-                continue  # readable was reported, and another reader took it: wait again
-            except OSError as exc:
-                if exc.errno == errno.EBADF:
-                    raise trio.ClosedResourceError("the socket was already closed") from None
-                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-
-    async def send_eof(self) -> None:
-        await self._inner.send_eof()
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 async def _answer_and_close(stream: trio.abc.HalfCloseableStream, response: bytes) -> None:
     """Send a complete response, then close without provoking a reset."""
     try:
@@ -513,29 +420,23 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
             )
             return
 
-        replay = ReplayStream(stream, reader.head_bytes, reader.trailing)
-        async with trio.open_nursery() as ws_nursery:
-            try:
-                with trio.fail_at(deadline):
-                    request = await trio_websocket.wrap_server_stream(
-                        ws_nursery,
-                        replay,
-                        message_queue_size=WEBSOCKET_MESSAGE_QUEUE,
-                        max_message_size=app.max_message_bytes,
-                        receive_buffer_size=WEBSOCKET_RECEIVE_BUFFER_BYTES,
-                    )
-                    ws = await request.accept()
-            except (trio.TooSlowError, trio_websocket.ConnectionClosed, trio.BrokenResourceError) as exc:
-                log.info("websocket.handshake_failed", reason=type(exc).__name__)
-                ws_nursery.cancel_scope.cancel()
-                await trio.aclose_forcefully(stream)
-                return
-            release()
-            try:
-                await app.run_socket(ws, decision)
-            finally:
-                ws_nursery.cancel_scope.cancel()
-                await trio.aclose_forcefully(stream)
+        # The head was checked to be what a WebSocket server accepts (http_front): the
+        # upgrade is answered here, and the stream is the socket's from now on. What the
+        # client sent after its head is its first frames.
+        io = StreamIO(stream)
+        try:
+            with trio.fail_at(deadline):
+                await io.send_all(accept_response(http_front.websocket_key(head)))
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.info("websocket.handshake_failed", reason=type(exc).__name__)
+            await trio.aclose_forcefully(stream)
+            return
+        release()
+        ws = ServerWebSocket(io, max_message_size=app.max_message_bytes, received=reader.trailing)
+        try:
+            await app.run_socket(ws, decision)
+        finally:
+            await trio.aclose_forcefully(stream)
     except Exception:  # a bug must cost one connection, never the listener
         log.exception("connection.crashed")
         await trio.aclose_forcefully(stream)

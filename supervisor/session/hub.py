@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import trio
-import trio_websocket
 
 from sandbox_supervisor.protocol.authority import AssertionClaims
 from sandbox_supervisor.protocol.closes import (
@@ -20,6 +19,7 @@ from sandbox_supervisor.protocol.closes import (
     clip_close_reason,
 )
 from sandbox_supervisor.protocol.headers import RoutingHeaders
+from sandbox_supervisor.daemon.websocket import ServerWebSocket
 from sandbox_supervisor.daemon.session.control import ControlChannel
 from sandbox_supervisor.daemon.session.sender import SocketSender
 
@@ -28,7 +28,7 @@ from sandbox_supervisor.daemon.session.sender import SocketSender
 class Connection:
     """An accepted control socket, what the gate learned about it, and its protocol state."""
 
-    ws: trio_websocket.WebSocketConnection
+    ws: ServerWebSocket
     headers: RoutingHeaders
     claims: AssertionClaims
     admission: int = 0  # the gate's admission order (see Admit.admission)

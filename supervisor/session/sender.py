@@ -6,7 +6,7 @@ see — as `event.withheld` (docs/protocol.md §9.1). Producers never wait for i
 wait, and memory stays bounded (a batch of events plus a bounded reply queue).
 
 Everything one wake-up finds ready goes out in as few socket writes as it fits in
-(`send_messages`): on loopback a write costs the receiver's network processing too, so an
+(`ServerWebSocket.send_messages`): on loopback a write costs the receiver's network processing too, so an
 acknowledgement and the output it caused, or a replay's batch, cost one system call, not one
 per frame.
 """
@@ -17,11 +17,8 @@ import math
 from collections.abc import Callable, Sequence
 
 import trio
-import trio_websocket
-import wsproto.events
-import wsproto.connection
-import wsproto.utilities
 
+from sandbox_supervisor.daemon.websocket import WRITE_BATCH_MAX_BYTES, ConnectionClosed, ServerWebSocket
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.visibility import Audience
 from sandbox_supervisor.daemon.telemetry import Telemetry
@@ -40,47 +37,6 @@ EVENT_BATCH = 128
 EVENT_BATCH_MAX_CHARS = 4 * 1024 * 1024
 # Without a configured one (tests of the sender alone): the default of websocket.write_timeout_s.
 DEFAULT_WRITE_TIMEOUT_S = 60.0
-# Frames that are ready together share a socket write up to this many bytes (a larger frame
-# is a write of its own): few system calls for a burst, while the write timeout still
-# measures a peer's progress in steps this small.
-WRITE_BATCH_MAX_BYTES = 256 * 1024
-# A binary message at least this long (a binary exec.output_page, up to 1 MiB) is framed here
-# and written as its frame header then its payload, not through wsproto, whose send copies
-# the payload four times (bytearray(payload), header + payload, bytearray(...), b"" + ...):
-# that was half the daemon's CPU while paging. Smaller ones are not worth a write of their own.
-DIRECT_BINARY_MIN_BYTES = 64 * 1024
-_FIN_BINARY = 0x82  # FIN and opcode 2, no RSV bits (RFC 6455 §5.2)
-_LENGTH_7_MAX = 125
-_LENGTH_16 = 126
-_LENGTH_64 = 127
-
-
-def binary_frame_header(length: int) -> bytes:
-    """The header of a final, unmasked binary frame of `length` bytes (a server's: servers do
-    not mask), with the shortest length encoding, as wsproto writes it."""
-    if length <= _LENGTH_7_MAX:
-        return bytes((_FIN_BINARY, length))
-    if length <= 0xFFFF:
-        return bytes((_FIN_BINARY, _LENGTH_16)) + length.to_bytes(2, "big")
-    return bytes((_FIN_BINARY, _LENGTH_64)) + length.to_bytes(8, "big")
-
-
-def _frames_directly(ws: trio_websocket.WebSocketConnection, text: str | bytes) -> bool:
-    """Whether `text` can skip wsproto: a large binary message on an open server connection
-    with no extension (one would change the frame: compression, RSV bits) and no message
-    in progress (the sender only sends whole messages, so there never is one)."""
-    if not isinstance(text, bytes) or len(text) < DIRECT_BINARY_MIN_BYTES:
-        return False
-    connection = ws._wsproto.connection
-    return (
-        connection is not None
-        and connection.state is wsproto.connection.ConnectionState.OPEN
-        and not connection.client
-        and not connection._proto.extensions
-        and connection._proto._outbound_opcode is None
-    )
-
-
 class _Stalled(Exception):
     """A write did not complete within the write timeout: the peer stopped reading."""
 
@@ -88,7 +44,7 @@ class _Stalled(Exception):
 class SocketSender:
     def __init__(
         self,
-        ws: trio_websocket.WebSocketConnection,
+        ws: ServerWebSocket,
         journal: Journal,
         cursor: int,
         telemetry: Telemetry | None = None,
@@ -180,7 +136,7 @@ class SocketSender:
                         await self._wake.wait()
             # The loop never ends by itself: here, the write deadline cancelled it.
             raise _Stalled
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+        except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             self.failed = True
         except _Stalled:
             self.failed = self.stalled = True
@@ -261,89 +217,6 @@ class SocketSender:
         `run`'s loop, and the sender, as stalled. A write that finishes after its deadline has
         passed counts as stalled too (the cancellation is already called)."""
         scope = self._write_scope
-        await send_messages(self._ws, texts, deadline_scope=scope, write_timeout_s=self._write_timeout_s)
+        await self._ws.send_messages(texts, deadline_scope=scope, write_timeout_s=self._write_timeout_s)
         scope.deadline = math.inf  # no deadline between writes: an idle socket waits for work
 
-
-async def send_messages(
-    ws: trio_websocket.WebSocketConnection,
-    texts: Sequence[str | bytes],
-    *,
-    deadline_scope: trio.CancelScope | None = None,
-    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-) -> None:
-    """Send `texts` as consecutive WebSocket messages (text, or binary for bytes), joined into socket writes of up
-    to WRITE_BATCH_MAX_BYTES (what `ws.send_message` would put on the stream, byte for byte,
-    in fewer system calls). With `deadline_scope`, each write gets `write_timeout_s` from
-    its start: the timeout measures the peer's progress, not the size of the burst.
-
-    trio-websocket sends one message per write and has no call for several; this does what
-    its `_send` does (wsproto's bytes, under the connection's stream lock, the same handling
-    of a broken stream), for a batch. The version is pinned (constraints.txt), and
-    tests/test_sender.py holds the bytes to what `send_message` writes."""
-    if ws._close_reason:
-        raise trio_websocket.ConnectionClosed(ws._close_reason)
-    pending: list[bytes] = []
-    size = 0
-    for index, text in enumerate(texts):
-        # Checked before each message, as `send_message` does: a Close from the peer that
-        # arrived while an earlier chunk was written has moved wsproto to CLOSED, where its
-        # send raises LocalProtocolError instead of the ConnectionClosed callers expect.
-        if ws._close_reason:
-            raise trio_websocket.ConnectionClosed(ws._close_reason)
-        if pending and _frames_directly(ws, text):
-            # What was ready before it goes first, in its own write; then the connection is
-            # looked at again, as a Close may have arrived meanwhile.
-            await _write(ws, pending[0] if len(pending) == 1 else b"".join(pending), deadline_scope, write_timeout_s)
-            pending, size = [], 0
-            if ws._close_reason:
-                raise trio_websocket.ConnectionClosed(ws._close_reason)
-        if _frames_directly(ws, text):
-            assert isinstance(text, bytes)
-            await _write(ws, binary_frame_header(len(text)), deadline_scope, write_timeout_s, more=text)
-            continue
-        message = wsproto.events.BytesMessage(data=text) if isinstance(text, bytes) else wsproto.events.TextMessage(data=text)
-        try:
-            data = ws._wsproto.send(message)
-        except wsproto.utilities.LocalProtocolError:
-            raise trio_websocket.ConnectionClosed(ws._close_reason) from None
-        pending.append(data)
-        size += len(data)
-        if size >= WRITE_BATCH_MAX_BYTES or index == len(texts) - 1:
-            chunk = pending[0] if len(pending) == 1 else b"".join(pending)
-            pending, size = [], 0
-            await _write(ws, chunk, deadline_scope, write_timeout_s)
-
-
-async def _write(
-    ws: trio_websocket.WebSocketConnection,
-    chunk: bytes,
-    deadline_scope: trio.CancelScope | None,
-    write_timeout_s: float,
-    *,
-    more: bytes = b"",
-) -> None:
-    """One write of `chunk` (then `more`, under the same lock and deadline: a frame's header
-    and its payload) to the stream, as trio-websocket's `_send` does it."""
-    if deadline_scope is not None:
-        deadline_scope.deadline = trio.current_time() + write_timeout_s
-    lock = ws._stream_lock
-    try:
-        # A free lock is taken without a checkpoint (the usual case: the reader task
-        # writes only pongs and the close): `async with` would yield to the scheduler
-        # first, one more pass of the event loop on the way of every write. The write
-        # below yields only when the socket is full (the edge writes directly:
-        # ReplayStream); the sender's loop yields between writes.
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
-    try:
-        await ws._stream.send_all(chunk)
-        if more:
-            await ws._stream.send_all(more)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        await ws._abort_web_socket()
-        assert ws._close_reason is not None
-        raise trio_websocket.ConnectionClosed(ws._close_reason) from None
-    finally:
-        lock.release()

@@ -15,7 +15,6 @@ from typing import Any, Protocol
 
 import structlog
 import trio
-import trio_websocket
 
 from sandbox_supervisor.protocol import closes, errors
 from sandbox_supervisor.protocol.fields import SESSION_CONTROL
@@ -30,6 +29,7 @@ from sandbox_supervisor.protocol.frames import (
     encode_frame,
 )
 from sandbox_supervisor.daemon.auth.gate import Admit
+from sandbox_supervisor.daemon.websocket import ConnectionClosed, ServerWebSocket
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier
 from sandbox_supervisor.daemon.runtime.calls import CallContext, SendReply
 from sandbox_supervisor.daemon.session import bootstrap
@@ -113,7 +113,7 @@ class SessionServices:
     telemetry: Telemetry | None = None
 
 
-async def serve_control_socket(ws: trio_websocket.WebSocketConnection, admit: Admit, services: SessionServices) -> None:
+async def serve_control_socket(ws: ServerWebSocket, admit: Admit, services: SessionServices) -> None:
     granted = frozenset({SESSION_CONTROL}) if services.settings.legacy_session_control else frozenset()
     conn = Connection(
         ws, admit.headers, admit.claims, admission=admit.admission, last_inbound=trio.current_time(), granted=granted
@@ -166,7 +166,7 @@ class ControlSocket:
             scope.shield = True
             try:
                 await ws.aclose(code, reason)
-            except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass  # the peer may already be gone
         # Forgotten only once closed, so a drain waiting for all sockets waits for this.
         self.services.hub.forget(conn)
@@ -192,7 +192,7 @@ class ControlSocket:
             with trio.move_on_after(settings.idle_timeout_s - idle_for):
                 try:
                     await conn.ws.ping()
-                except trio_websocket.ConnectionClosed:
+                except ConnectionClosed:
                     return
                 conn.last_inbound = trio.current_time()
 
@@ -206,13 +206,13 @@ class ControlSocket:
         oversized message, which the channel answers with a close)."""
         try:
             message = await self.conn.ws.get_message()
-        except trio_websocket.ConnectionClosed:
+        except ConnectionClosed:
             return None
         self.conn.last_inbound = trio.current_time()
         if isinstance(message, bytes):
             self._close_as(self.channel.receive_binary())
             return None
-        # trio-websocket measures a text message in characters; the limit is in bytes. Only
+        # The WebSocket measures a text message in characters; the limit is in bytes. Only
         # a message that could exceed it is encoded to count.
         limit = self.services.settings.max_message_bytes
         if len(message) * MAX_UTF8_BYTES_PER_CHAR > limit and len(message.encode("utf-8")) > limit:
@@ -225,7 +225,7 @@ class ControlSocket:
         try:
             await self.conn.ws.send_message(text)
             return True
-        except (trio_websocket.ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
+        except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
             return False
 
     def _holds_fence(self) -> bool:
@@ -346,7 +346,7 @@ class ControlSocket:
                 try:
                     while True:
                         await conn.ws.get_message()  # anything but the close is ignored now
-                except trio_websocket.ConnectionClosed as exc:
+                except ConnectionClosed as exc:
                     peer_closed = True
                     closed = exc.reason
                     if closed is not None:

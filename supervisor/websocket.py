@@ -1,0 +1,448 @@
+"""A control socket's WebSocket, server side: wsproto's sans-IO `Connection` over the
+accepted stream, read and written by the daemon's own tasks.
+
+The front (`server.handle_stream`) has already read and checked the upgrade's head with h11
+(`http_front`); it answers the upgrade with `accept_response` and wraps the stream here.
+Inbound bytes go to wsproto, which parses frames, checks them and keeps the close state;
+outbound messages are framed here (a server's frames are unmasked, and no extension is ever
+negotiated), and only control frames (close, ping, pong) go through wsproto.
+
+Why not trio-websocket's server (the clients and the tests still use its client): it parses
+the request head a second time, runs a reader task per connection that hands every message
+to the application through a memory channel (a task switch per inbound message), and sends
+one message per write. Here the task that wants a message reads it: `get_message` reads the
+socket, feeds wsproto and answers control frames on the way. Behaviour is trio-websocket's
+where the daemon relied on it (docs/internals.md, "The control socket's WebSocket"): pings
+answered, a message over the limit closed with 1009, a peer's close answered and the stream
+closed, a lost stream seen as 1006, `closed` and `ConnectionClosed` carrying the close.
+
+One reader at a time: the socket's own task reads in `get_message`; `ping` (the keepalive)
+reads only while no one else does, so a pong is seen even while the socket's task is busy
+elsewhere, and it reads ahead at most `READ_AHEAD_MESSAGES` messages for that task.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+from wsproto.connection import Connection, ConnectionState, ConnectionType
+from wsproto.events import BytesMessage, CloseConnection, Event, Ping, Pong, TextMessage
+from wsproto.utilities import generate_accept_token
+
+from sandbox_supervisor.daemon import fd_wait
+
+# What one read of a control socket asks for (trio's SocketStream default; trio-websocket's
+# 4 KiB made large messages about 3x slower).
+RECEIVE_BUFFER_BYTES = 64 * 1024
+# Messages a ping may read ahead while the socket's own task is busy elsewhere (waiting for a
+# call slot, say): enough to reach a pong behind a few frames, bounded so that a peer that
+# keeps sending cannot make the daemon hold more.
+READ_AHEAD_MESSAGES = 8
+# Frames that are ready together share a socket write up to this many bytes (a larger frame
+# is a write of its own): few system calls for a burst, while a write timeout still measures
+# a peer's progress in steps this small.
+WRITE_BATCH_MAX_BYTES = 256 * 1024
+# A message at least this long is written as its header then its own bytes (two writes under
+# one lock), never copied into a batch: a binary exec.output_page is up to 1 MiB.
+LARGE_MESSAGE_BYTES = 64 * 1024
+# RFC 6455 §7.4.1.
+CLOSE_NORMAL = 1000
+CLOSE_ABNORMAL = 1006  # never sent: the stream ended without a close handshake
+CLOSE_MESSAGE_TOO_BIG = 1009
+
+# RFC 6455 §5.2: FIN with the opcode, no RSV bits (no extension is negotiated).
+_FIN_TEXT = 0x81
+_FIN_BINARY = 0x82
+_LENGTH_7_MAX = 125
+_LENGTH_16 = 126
+_LENGTH_64 = 127
+_LENGTH_16_MAX = 0xFFFF
+
+
+def accept_response(key: bytes) -> bytes:
+    """The 101 that completes an upgrade whose `Sec-WebSocket-Key` is `key` (as h11 parsed
+    it), byte for byte what wsproto's handshake writes when it accepts with no subprotocol,
+    no extension and no extra header."""
+    return (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: " + generate_accept_token(key) + b"\r\n\r\n"
+    )
+
+
+def frame_header(opcode_byte: int, length: int) -> bytes:
+    """The header of a final, unmasked frame (a server's) of `length` payload bytes, with the
+    shortest length encoding, as wsproto writes it."""
+    if length <= _LENGTH_7_MAX:
+        return bytes((opcode_byte, length))
+    if length <= _LENGTH_16_MAX:
+        return bytes((opcode_byte, _LENGTH_16)) + length.to_bytes(2, "big")
+    return bytes((opcode_byte, _LENGTH_64)) + length.to_bytes(8, "big")
+
+
+def frame_message(message: str | bytes) -> tuple[bytes, bytes]:
+    """A whole message as one frame: (header, payload). Text is UTF-8, binary as it is."""
+    if isinstance(message, str):
+        payload = message.encode("utf-8")
+        return frame_header(_FIN_TEXT, len(payload)), payload
+    return frame_header(_FIN_BINARY, len(message)), message
+
+
+@dataclass(frozen=True, slots=True)
+class CloseReason:
+    """How a WebSocket closed: the code and reason of the close frame, or 1006 and None when
+    the stream ended without one."""
+
+    code: int
+    reason: str | None
+
+
+class ConnectionClosed(Exception):
+    """The WebSocket is closed (or closing): nothing more can be sent, and no more messages
+    will come. `reason` says how it closed."""
+
+    def __init__(self, reason: CloseReason | None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class StreamIO:
+    """The bytes of an accepted stream. A socket is read and written directly: trio's
+    `SocketStream.send_all` yields to the scheduler after a write the socket took whole (a
+    pass of the event loop per frame written), and its `receive_some` reads before it waits,
+    failing with EAGAIN before nearly every message (a control socket's peer mostly waits for
+    an answer before it sends again). Any other stream goes through its own methods. Errors
+    are trio's: a closed stream ClosedResourceError, any other failure BrokenResourceError."""
+
+    def __init__(self, stream: trio.abc.HalfCloseableStream) -> None:
+        self.stream = stream
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """All of `data`, waiting only while the socket is full (`wait_writable` is then the
+        checkpoint, where a write deadline cancels, leaving a partial frame behind). Callers
+        hold the WebSocket's write lock, so no two writes interleave."""
+        sock = self._socket
+        if sock is None:
+            await self.stream.send_all(data)
+            return
+        with memoryview(data) as view:
+            sent = 0
+            while sent < len(view):
+                try:
+                    sent += os.write(sock.fileno(), view[sent:])
+                except BlockingIOError:
+                    await fd_wait.wait_writable(sock)  # closed: ClosedResourceError
+                except OSError as exc:
+                    if exc.errno == errno.EBADF:  # fileno() is -1 once the socket is closed
+                        raise trio.ClosedResourceError("the socket was already closed") from None
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+    async def receive_some(self, max_bytes: int = RECEIVE_BUFFER_BYTES) -> bytes | bytearray:
+        """Up to `max_bytes`, waiting for the socket to be readable first; b"" at the end."""
+        sock = self._socket
+        if sock is None:
+            return await self.stream.receive_some(max_bytes)
+        while True:
+            await fd_wait.wait_readable(sock)  # closed: ClosedResourceError
+            try:
+                return os.read(sock.fileno(), max_bytes)
+            except BlockingIOError:
+                continue  # readable was reported, and another reader took it: wait again
+            except OSError as exc:
+                if exc.errno == errno.EBADF:
+                    raise trio.ClosedResourceError("the socket was already closed") from None
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class ServerWebSocket:
+    """An accepted (101 sent) server WebSocket over `io`. `received`: bytes that came after
+    the request head (a pipelining client's first frames), read before the stream."""
+
+    def __init__(self, io: StreamIO, *, max_message_size: int, received: bytes = b"") -> None:
+        self._io = io
+        self._wsproto = Connection(ConnectionType.SERVER)
+        self._max_message_size = max_message_size
+        self._received = received
+        # Set once the socket is closing or closed (by either side, or by a lost stream):
+        # nothing is sent after it, and `get_message` raises once the queue is empty.
+        self._close_reason: CloseReason | None = None
+        # Set once no message will be taken any more (a local close, a message over the
+        # limit): what is queued is dropped, and `get_message` raises at once.
+        self._discarding = False
+        self._messages: deque[str | bytes] = deque()
+        self._parts: list[str | bytes] = []
+        self._part_size = 0
+        self._write_lock = trio.StrictFIFOLock()
+        self._reading = False  # a task is in _read
+        # wsproto holds parsed input not yet handled here (a read's handling was cancelled):
+        # handled before the stream is read again, or a complete frame could wait for more.
+        self._unhandled = False
+        self._read_done = trio.Event()  # set (and replaced) when a read and its events are done
+        self._pings: OrderedDict[bytes, trio.Event] = OrderedDict()
+        self._close_handshake = trio.Event()  # both close frames seen, or the stream lost
+        self._stream_closed = False
+
+    @property
+    def closed(self) -> CloseReason | None:
+        """How the socket closed (or is closing); None while it is open."""
+        return self._close_reason
+
+    # --- receiving ---------------------------------------------------------------------
+
+    async def get_message(self) -> str | bytes:
+        """The next message (str for text, bytes for binary). Messages that arrived before the
+        peer's close are still returned; after that, and after a local close, ConnectionClosed."""
+        while True:
+            if self._messages and not self._discarding:
+                return self._messages.popleft()
+            if self._close_reason is not None:
+                raise ConnectionClosed(self._close_reason)
+            await self._read()
+
+    async def _read(self) -> None:
+        """One read of the stream and the events it completes; when another task is reading,
+        wait for its read instead (its events may be what the caller waits for)."""
+        if self._reading:
+            await self._read_done.wait()
+            return
+        self._reading = True
+        try:
+            if self._unhandled:
+                await self._handle_events()
+                return
+            data: bytes | bytearray | None
+            if self._received:
+                data, self._received = self._received, b""
+            else:
+                try:
+                    data = await self._io.receive_some(RECEIVE_BUFFER_BYTES)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = None
+            if not data:
+                # The stream ended (or broke) before the close handshake finished.
+                self._abort()
+            elif self._wsproto.state is not ConnectionState.CLOSED:
+                self._wsproto.receive_data(bytes(data))
+                await self._handle_events()
+        finally:
+            self._reading = False
+            done, self._read_done = self._read_done, trio.Event()
+            done.set()
+
+    async def _handle_events(self) -> None:
+        self._unhandled = True
+        for event in self._wsproto.events():
+            await self._on_event(event)
+        self._unhandled = False
+
+    async def _on_event(self, event: Event) -> None:
+        if isinstance(event, (TextMessage, BytesMessage)):
+            await self._on_message(event)
+        elif isinstance(event, Ping):
+            # Answered while open; once a close is under way wsproto sends no pong (and
+            # would refuse to frame one).
+            if self._wsproto.state is ConnectionState.OPEN:
+                await self._send_control(event.response())
+        elif isinstance(event, Pong):
+            self._on_pong(bytes(event.payload))
+        elif isinstance(event, CloseConnection):
+            await self._on_close(event)
+
+    async def _on_message(self, event: TextMessage | BytesMessage) -> None:
+        if self._discarding:
+            return
+        # Measured as trio-websocket measures it, in len() of the parts (characters of text):
+        # the session layer checks the byte limit of a text message itself.
+        data = event.data if isinstance(event.data, str) else bytes(event.data)
+        self._part_size += len(data)
+        self._parts.append(data)
+        if self._part_size > self._max_message_size:
+            reason = f"Exceeded maximum message size: {self._max_message_size} bytes"
+            self._parts, self._part_size = [], 0
+            self._discarding = True
+            self._messages.clear()
+            self._close_reason = CloseReason(CLOSE_MESSAGE_TOO_BIG, reason)
+            await self._send_control(CloseConnection(code=CLOSE_MESSAGE_TOO_BIG, reason=reason))
+        elif event.message_finished:
+            parts, self._parts, self._part_size = self._parts, [], 0
+            if len(parts) == 1:
+                self._messages.append(parts[0])
+            elif isinstance(event, BytesMessage):
+                self._messages.append(b"".join(part for part in parts if isinstance(part, bytes)))
+            else:
+                self._messages.append("".join(part for part in parts if isinstance(part, str)))
+
+    def _on_pong(self, payload: bytes) -> None:
+        """Wake the ping it answers and every earlier one (a peer may answer several pings
+        with one pong)."""
+        if payload not in self._pings:
+            return
+        while self._pings:
+            key, waiter = self._pings.popitem(last=False)
+            waiter.set()
+            if key == payload:
+                break
+
+    async def _on_close(self, event: CloseConnection) -> None:
+        """The peer's close (or, in the same state as OPEN, a frame wsproto refused: its code
+        is 1002 or 1007 and nothing is answered). A peer's close is answered, and a server
+        then closes the stream at once (RFC 6455, section 7.1.1)."""
+        reason = CloseReason(event.code, event.reason or None)
+        if self._wsproto.state is ConnectionState.REMOTE_CLOSING:
+            self._close_reason = reason
+            try:
+                await self._send_control(event.response())
+            except ConnectionClosed:
+                pass
+        self._close_reason = reason
+        self._close_handshake.set()
+        await self._close_stream()
+
+    def _abort(self) -> None:
+        """The stream ended or broke without a close handshake: closed as 1006."""
+        if self._wsproto.state is ConnectionState.OPEN:
+            # Moves wsproto out of OPEN, so that nothing more is framed for this stream.
+            self._wsproto.send(CloseConnection(code=CLOSE_ABNORMAL))
+        if self._close_reason is None:
+            self._close_reason = CloseReason(CLOSE_ABNORMAL, None)
+        self._close_handshake.set()
+
+    # --- sending -----------------------------------------------------------------------
+
+    async def send_message(self, message: str | bytes) -> None:
+        await self.send_messages((message,))
+
+    async def send_messages(
+        self,
+        messages: Sequence[str | bytes],
+        *,
+        deadline_scope: trio.CancelScope | None = None,
+        write_timeout_s: float = 0.0,
+    ) -> None:
+        """`messages` as consecutive messages (text for str, binary for bytes), joined into
+        writes of up to WRITE_BATCH_MAX_BYTES; a message of LARGE_MESSAGE_BYTES or more is
+        written as its header then its own bytes. With `deadline_scope`, each write gets
+        `write_timeout_s` from its start: the timeout measures the peer's progress, not the
+        size of the burst. ConnectionClosed once the socket is closing: nothing is written
+        after a close frame, including the rest of a batch a close overtook."""
+        pending: list[bytes] = []
+        size = 0
+        for message in messages:
+            header, payload = frame_message(message)
+            if len(payload) >= LARGE_MESSAGE_BYTES:
+                if pending:
+                    await self._write(b"".join(pending), deadline_scope, write_timeout_s)
+                    pending, size = [], 0
+                await self._write(header, deadline_scope, write_timeout_s, more=payload)
+                continue
+            pending.append(header)
+            pending.append(payload)
+            size += len(header) + len(payload)
+            if size >= WRITE_BATCH_MAX_BYTES:
+                await self._write(b"".join(pending), deadline_scope, write_timeout_s)
+                pending, size = [], 0
+        if pending:
+            await self._write(b"".join(pending), deadline_scope, write_timeout_s)
+
+    async def _write(
+        self,
+        chunk: bytes,
+        deadline_scope: trio.CancelScope | None = None,
+        write_timeout_s: float = 0.0,
+        *,
+        more: bytes = b"",
+        control: bool = False,
+    ) -> None:
+        """One write of data frames (`control`: a frame wsproto made, which may follow the
+        close state, as the answer to a peer's close does) under the write lock."""
+        if deadline_scope is not None:
+            deadline_scope.deadline = trio.current_time() + write_timeout_s
+        lock = self._write_lock
+        try:
+            # A free lock is taken without a checkpoint (the usual case: only the socket's
+            # reader writes besides the sender, a pong or a close): `async with` would yield
+            # first, one more pass of the event loop on the way of every write.
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            # Looked at under the lock: a close written while this write waited for the lock
+            # ends what may be written.
+            if not control and self._close_reason is not None:
+                raise ConnectionClosed(self._close_reason)
+            await self._io.send_all(chunk)
+            if more:
+                await self._io.send_all(more)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._abort()
+            raise ConnectionClosed(self._close_reason) from None
+        finally:
+            lock.release()
+
+    async def _send_control(self, event: Event) -> None:
+        """A control frame made by wsproto (which keeps the close state), written at once."""
+        if self._stream_closed:
+            raise ConnectionClosed(self._close_reason)
+        await self._write(self._wsproto.send(event), control=True)
+
+    # --- ping and close ----------------------------------------------------------------
+
+    async def ping(self) -> None:
+        """Send a ping and return when its pong (or a later one) arrives. While no other task
+        reads, this one does (reading ahead at most READ_AHEAD_MESSAGES messages). No timeout
+        of its own: the caller bounds the wait."""
+        if self._close_reason is not None:
+            raise ConnectionClosed(self._close_reason)
+        payload = os.urandom(4)
+        while payload in self._pings:
+            payload = os.urandom(4)
+        pong = trio.Event()
+        self._pings[payload] = pong
+        try:
+            await self._send_control(Ping(payload=payload))
+            while not pong.is_set():
+                if self._close_reason is not None:
+                    raise ConnectionClosed(self._close_reason)
+                if self._reading or len(self._messages) >= READ_AHEAD_MESSAGES:
+                    await self._read_done.wait()
+                else:
+                    await self._read()
+        finally:
+            self._pings.pop(payload, None)
+
+    async def aclose(self, code: int = CLOSE_NORMAL, reason: str | None = None) -> None:
+        """Close: send a close frame with `code` and `reason`, wait for the peer's, close the
+        stream. The caller bounds the wait (a peer that never answers keeps it waiting); the
+        stream is closed however this ends. Closing a closed socket does nothing."""
+        if self._close_reason is not None:
+            return
+        try:
+            if self._wsproto.state is ConnectionState.OPEN:
+                self._discarding = True
+                # As trio-websocket: ours until the peer's close says otherwise.
+                self._close_reason = CloseReason(CLOSE_NORMAL, None)
+                await self._send_control(CloseConnection(code=code, reason=reason))
+                while not self._close_handshake.is_set():
+                    await self._read()
+        except ConnectionClosed:
+            pass
+        finally:
+            await self._close_stream()
+
+    async def _close_stream(self) -> None:
+        if self._stream_closed:
+            return
+        self._stream_closed = True
+        try:
+            await self._io.aclose()
+        except trio.BrokenResourceError:
+            pass  # the connection was already gone
+
