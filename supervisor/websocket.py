@@ -55,13 +55,22 @@ CLOSE_NORMAL = 1000
 CLOSE_ABNORMAL = 1006  # never sent: the stream ended without a close handshake
 CLOSE_MESSAGE_TOO_BIG = 1009
 
-# RFC 6455 §5.2: FIN with the opcode, no RSV bits (no extension is negotiated).
+# RFC 6455, section 5.2: FIN with the opcode, no RSV bits (no extension is negotiated).
 _FIN_TEXT = 0x81
 _FIN_BINARY = 0x82
+_FIN_BIT = 0x80
+_OPCODE_BITS = 0x0F
+_OP_CONTINUATION = 0x0
+_OP_TEXT = 0x1
+_OP_BINARY = 0x2
+_MASK_BIT = 0x80
+_LENGTH_BITS = 0x7F
+_MASK_BYTES = 4
 _LENGTH_7_MAX = 125
 _LENGTH_16 = 126
 _LENGTH_64 = 127
 _LENGTH_16_MAX = 0xFFFF
+_LENGTH_64_MAX = (1 << 63) - 1
 
 
 def accept_response(key: bytes) -> bytes:
@@ -90,6 +99,55 @@ def frame_message(message: str | bytes) -> tuple[bytes, bytes]:
         payload = message.encode("utf-8")
         return frame_header(_FIN_TEXT, len(payload)), payload
     return frame_header(_FIN_BINARY, len(message)), message
+
+
+def _frame_extent(buffer: bytearray, start: int) -> tuple[int, int] | None:
+    """(header length, with the mask; payload length) of the frame at `start`, or None while
+    its header is incomplete. Nothing is checked here but the extent."""
+    available = len(buffer) - start
+    if available < 2:
+        return None
+    second = buffer[start + 1]
+    length = second & _LENGTH_BITS
+    header = 2
+    if length == _LENGTH_16:
+        header = 4
+    elif length == _LENGTH_64:
+        header = 10
+    if available < header:
+        return None
+    if header > 2:
+        length = int.from_bytes(buffer[start + 2 : start + header], "big")
+    return header + (_MASK_BYTES if second & _MASK_BIT else 0), length
+
+
+def _shortest_length(short: int, length: int) -> bool:
+    """The length is in the shortest encoding, as RFC 6455 requires and wsproto checks."""
+    if short == _LENGTH_16:
+        return length > _LENGTH_7_MAX
+    if short == _LENGTH_64:
+        return _LENGTH_16_MAX < length <= _LENGTH_64_MAX
+    return True
+
+
+def _decode_plain(buffer: bytearray, start: int, header_len: int, end: int) -> str | bytes | None:
+    """The message of a whole plain frame (see `ServerWebSocket._is_plain`): unmasked, and
+    for text decoded from UTF-8; None when the text is not UTF-8."""
+    payload_start = start + header_len
+    length = end - payload_start
+    mask = bytes(buffer[payload_start - _MASK_BYTES : payload_start])
+    if length:
+        # XOR with the mask repeated over the payload, as one integer operation.
+        key = int.from_bytes((mask * (length // _MASK_BYTES + 1))[:length], "little")
+        payload = (int.from_bytes(buffer[payload_start:end], "little") ^ key).to_bytes(length, "little")
+    else:
+        payload = b""
+    if buffer[start] == _FIN_BINARY:
+        return payload
+    try:
+        return payload.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +228,11 @@ class ServerWebSocket:
         self._io = io
         self._wsproto = Connection(ConnectionType.SERVER)
         self._max_message_size = max_message_size
-        self._received = received
+        # Inbound bytes not yet taken as frames; what came after the head comes first.
+        self._buffer = bytearray(received)
+        self._unparsed = bool(received)  # the buffer may hold whole frames not yet taken
+        self._owed = 0  # bytes of the frame wsproto is reading that it has not been given yet
+        self._fragmented = False  # wsproto holds a fragmented message's first frames
         # Set once the socket is closing or closed (by either side, or by a lost stream):
         # nothing is sent after it, and `get_message` raises once the queue is empty.
         self._close_reason: CloseReason | None = None
@@ -182,8 +244,7 @@ class ServerWebSocket:
         self._part_size = 0
         self._write_lock = trio.StrictFIFOLock()
         self._reading = False  # a task is in _read
-        # wsproto holds parsed input not yet handled here (a read's handling was cancelled):
-        # handled before the stream is read again, or a complete frame could wait for more.
+        # wsproto holds events not yet handled here (a read's handling was cancelled).
         self._unhandled = False
         self._read_done = trio.Event()  # set (and replaced) when a read and its events are done
         self._pings: OrderedDict[bytes, trio.Event] = OrderedDict()
@@ -208,34 +269,99 @@ class ServerWebSocket:
             await self._read()
 
     async def _read(self) -> None:
-        """One read of the stream and the events it completes; when another task is reading,
-        wait for its read instead (its events may be what the caller waits for)."""
+        """One read of the stream and the frames it completes; when another task is reading,
+        wait for its read instead (its frames may be what the caller waits for)."""
         if self._reading:
             await self._read_done.wait()
             return
         self._reading = True
         try:
-            if self._unhandled:
-                await self._handle_events()
+            if self._unhandled or self._unparsed:
+                # What is already here (the first frames, pipelined with the head; what a
+                # cancelled read left) comes before the stream is read again.
+                if self._unhandled:
+                    await self._handle_events()
+                if self._unparsed:
+                    await self._take_frames()
                 return
-            data: bytes | bytearray | None
-            if self._received:
-                data, self._received = self._received, b""
-            else:
-                try:
-                    data = await self._io.receive_some(RECEIVE_BUFFER_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    data = None
+            try:
+                data = await self._io.receive_some(RECEIVE_BUFFER_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
             if not data:
                 # The stream ended (or broke) before the close handshake finished.
                 self._abort()
-            elif self._wsproto.state is not ConnectionState.CLOSED:
-                self._wsproto.receive_data(bytes(data))
-                await self._handle_events()
+                return
+            self._buffer += data
+            await self._take_frames()
         finally:
             self._reading = False
             done, self._read_done = self._read_done, trio.Event()
             done.set()
+
+    async def _take_frames(self) -> None:
+        """Every whole frame in the buffer. A final text or binary frame that fits the
+        message limit, with no fragmented message in progress, is decoded here (its UTF-8
+        checked as wsproto checks it); every other frame (control frames, fragments, a frame
+        over the limit, anything malformed) goes to wsproto, as it arrives. wsproto is only
+        ever given whole frames, or the rest of the one it is reading, so it never holds a
+        frame this loop would have to know about."""
+        self._unparsed = True
+        buffer = self._buffer
+        start = 0
+        try:
+            while start < len(buffer):
+                if self._owed:  # the rest of the frame wsproto is reading
+                    piece = min(self._owed, len(buffer) - start)
+                    chunk = bytes(buffer[start : start + piece])
+                    start += piece
+                    self._owed -= piece
+                    await self._feed(chunk)
+                    continue
+                extent = _frame_extent(buffer, start)
+                if extent is None:
+                    break  # the header is not all here yet
+                header_len, length = extent
+                end = start + header_len + length
+                if self._is_plain(buffer[start], buffer[start + 1], length):
+                    if end > len(buffer):
+                        break  # at most the message limit (and a header) is held, whole
+                    message = _decode_plain(buffer, start, header_len, end)
+                    if message is not None:
+                        start = end
+                        if not self._discarding:
+                            self._messages.append(message)
+                        continue
+                    # Not UTF-8: wsproto refuses it with the close code it owes (1007).
+                opcode, fin = buffer[start] & _OPCODE_BITS, buffer[start] & _FIN_BIT
+                if opcode in (_OP_TEXT, _OP_BINARY) and not fin:
+                    self._fragmented = True
+                elif opcode == _OP_CONTINUATION and fin:
+                    self._fragmented = False
+                self._owed = header_len + length
+            self._unparsed = False
+        finally:
+            del buffer[:start]
+
+    def _is_plain(self, first: int, second: int, length: int) -> bool:
+        """A frame decoded here: final, no RSV bits, text or binary, masked (a client's),
+        within the message limit, its length in the shortest encoding, on an open
+        connection, with no fragmented message in progress."""
+        return (
+            (first == _FIN_TEXT or first == _FIN_BINARY)
+            and second & _MASK_BIT != 0
+            and length <= self._max_message_size
+            and not self._fragmented
+            and _shortest_length(second & _LENGTH_BITS, length)
+            and self._wsproto.state is ConnectionState.OPEN
+        )
+
+    async def _feed(self, chunk: bytes) -> None:
+        """Bytes of a frame for wsproto, and the events they complete."""
+        if self._wsproto.state is ConnectionState.CLOSED:
+            return  # after the close handshake nothing more is read
+        self._wsproto.receive_data(chunk)
+        await self._handle_events()
 
     async def _handle_events(self) -> None:
         self._unhandled = True

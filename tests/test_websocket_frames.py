@@ -1,0 +1,158 @@
+"""The inbound frame loop of the daemon's WebSocket (`websocket.ServerWebSocket`): plain
+frames decoded by the daemon itself and everything else through wsproto give the messages a
+client sent, whatever the frames, fragments, interleaved pings and read boundaries; and a
+malformed frame is refused with the close code wsproto gives it.
+
+The stream here is scripted (each read returns the next chunk), so the read boundaries are
+chosen by the test: what the frame loop decides is pure logic over the bytes it is given.
+The same socket over real TCP and unix sockets is tests/test_websocket.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from wsproto.frame_protocol import FrameProtocol, Opcode
+
+from sandbox_supervisor.daemon.websocket import CLOSE_MESSAGE_TOO_BIG, ConnectionClosed, ServerWebSocket, StreamIO
+
+MAX_MESSAGE = 70_000  # above 65,535, so plain frames with 64-bit lengths occur too
+PROTOCOL_ERROR = 1002
+INVALID_PAYLOAD = 1007
+
+
+class ScriptedIO(StreamIO):
+    """Reads return the given chunks in order, then the end of the stream; writes are kept."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self._chunks = list(chunks)
+        self.written = bytearray()
+        self.closed = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    async def receive_some(self, max_bytes: int = 0) -> bytes:
+        await trio.lowlevel.checkpoint()
+        return self._chunks.pop(0) if self._chunks else b""
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def client_frames(messages: list[tuple[str | bytes, int, bool]]) -> tuple[bytes, list[bytes]]:
+    """Masked client frames for each (message, fragments, ping in between): a message in
+    `fragments` frames (continuations after the first), with a ping between its first two
+    frames when asked. Returns the bytes and the ping payloads in order."""
+    framer = FrameProtocol(client=True, extensions=[])
+    out = bytearray()
+    pings: list[bytes] = []
+    for message, fragments, ping in messages:
+        data = message.encode("utf-8") if isinstance(message, str) else message
+        opcode = Opcode.TEXT if isinstance(message, str) else Opcode.BINARY
+        cuts = sorted({len(data) * i // fragments for i in range(1, fragments)})
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        for index, piece in enumerate(pieces):
+            out += framer._serialize_frame(opcode if index == 0 else Opcode.CONTINUATION, piece, fin=index == len(pieces) - 1)
+            if ping and index == 0:
+                payload = os.urandom(4)
+                pings.append(payload)
+                out += framer.ping(payload)
+    return bytes(out), pings
+
+
+def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({cut % (len(data) + 1) for cut in cuts} | {0, len(data)})
+    return [data[a:b] for a, b in zip(points, points[1:]) if b > a]
+
+
+async def receive_all(ws: ServerWebSocket) -> tuple[list[str | bytes], ConnectionClosed]:
+    received: list[str | bytes] = []
+    while True:
+        try:
+            received.append(await ws.get_message())
+        except ConnectionClosed as closed:
+            return received, closed
+
+
+def pongs_in(written: bytes) -> list[bytes]:
+    server_side = FrameProtocol(client=True, extensions=[])  # reads the server's unmasked frames
+    server_side.receive_bytes(written)
+    return [bytes(frame.payload) for frame in server_side.received_frames() if frame.opcode is Opcode.PONG]
+
+
+texts = st.text(max_size=300) | st.sampled_from(["", "é ✓ 😀" * 20, "x" * 125, "x" * 126, "y" * 65_535, "z" * 65_536])
+binaries = st.binary(max_size=300) | st.sampled_from([b"", b"\x00" * 125, b"\x01" * 126, b"\x02" * 65_536])
+one_message = st.tuples(texts | binaries, st.integers(min_value=1, max_value=3), st.booleans())
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages=st.lists(one_message, max_size=6), cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=12))
+def test_every_message_arrives_whatever_the_frames_and_the_reads(messages, cuts):
+    data, pings = client_frames(messages)
+    io = ScriptedIO(chunked(data, cuts))
+    ws = ServerWebSocket(io, max_message_size=MAX_MESSAGE)
+    received, closed = trio.run(receive_all, ws)
+    assert received == [message for message, _, _ in messages]
+    assert closed.reason is not None and closed.reason.code == 1006  # the script ended, no close frame
+    assert pongs_in(bytes(io.written)) == pings  # every ping answered, in order
+
+
+@settings(max_examples=40, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=6))
+def test_frames_pipelined_with_the_head_come_first(cuts):
+    first, _ = client_frames([("pipelined", 1, False), (b"\x00binary", 2, False)])
+    rest, _ = client_frames([("from the stream", 1, True)])
+    io = ScriptedIO(chunked(rest, cuts))
+    ws = ServerWebSocket(io, max_message_size=MAX_MESSAGE, received=first)
+    received, _ = trio.run(receive_all, ws)
+    assert received == ["pipelined", b"\x00binary", "from the stream"]
+
+
+def _refused(data: bytes) -> ConnectionClosed:
+    ws = ServerWebSocket(ScriptedIO([data]), max_message_size=MAX_MESSAGE)
+    received, closed = trio.run(receive_all, ws)
+    assert received == []
+    return closed
+
+
+def _masked(first: int, payload: bytes, length_bytes: bytes | None = None) -> bytes:
+    mask = b"\x11\x22\x33\x44"
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    if length_bytes is None:
+        length_bytes = bytes((0x80 | len(payload),))
+    return bytes((first,)) + length_bytes + mask + masked
+
+
+@pytest.mark.parametrize(
+    "frame, code",
+    [
+        (_masked(0x81, b"\xff\xfe not utf-8"), INVALID_PAYLOAD),  # a plain text frame that is not UTF-8
+        (_masked(0x81, b"abc", bytes((0x80 | 126,)) + (3).to_bytes(2, "big")), PROTOCOL_ERROR),  # a longer length than needed
+        (_masked(0xC1, b"abc"), PROTOCOL_ERROR),  # RSV1 set: no extension was negotiated
+        (bytes((0x81, 3)) + b"abc", PROTOCOL_ERROR),  # not masked
+        (_masked(0x80, b"abc"), PROTOCOL_ERROR),  # a continuation with no message to continue
+        (_masked(0x83, b"abc"), PROTOCOL_ERROR),  # a reserved opcode
+        # A new message while a fragmented one is unfinished (its continuation was owed).
+        (_masked(0x01, b"ab") + _masked(0x81, b"cd"), PROTOCOL_ERROR),
+    ],
+)
+def test_a_malformed_frame_is_refused_with_wsprotos_code(frame, code):
+    closed = _refused(frame)
+    assert closed.reason is not None and closed.reason.code == code
+
+
+def test_a_frame_over_the_limit_is_1009_however_it_arrives():
+    framer = FrameProtocol(client=True, extensions=[])
+    for message in ("t" * (MAX_MESSAGE + 1), b"b" * (MAX_MESSAGE + 1)):
+        data = bytes(framer.send_data(message, True))
+        for chunks in ([data], chunked(data, [3, 1000, 40_000])):
+            io = ScriptedIO(chunks)
+            ws = ServerWebSocket(io, max_message_size=MAX_MESSAGE)
+            received, closed = trio.run(receive_all, ws)
+            assert received == []
+            assert closed.reason is not None and closed.reason.code == CLOSE_MESSAGE_TOO_BIG
+            assert io.written[:2] == b"\x88" + bytes((len(io.written) - 2,))  # the close frame, sent
