@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.daemon.runtime.tool import RunningCall
@@ -217,3 +218,51 @@ async def test_the_host_hears_done_after_the_call_returned_its_result(store, tmp
     # The link is closed (the runtime's exit): a host that had not heard `done` would have
     # recorded the exit for a next daemon.
     assert not (spool_dir(store.path.parent, running.call.call_id) / EXIT_FILE).exists()
+
+
+async def test_a_done_rides_with_the_next_spawn_request(store, tmp_path, monkeypatch, mock_clock):
+    """A command that follows within DONE_FLUSH_DELAY_S carries the previous command's `done`
+    to the host ahead of its own spawn request, in the same turn: the host is woken once per
+    command, not twice. The delayed flush sends what no spawn took. (The mock clock stands
+    still until the test moves it: the host and its commands are real.)"""
+    from sandbox_supervisor.daemon.runtime.shell import DONE_FLUSH_DELAY_S
+
+    sends: list[str] = []  # what reached the host's socket, in order
+    async with runtime(store, tmp_path) as rig:
+        host = rig.shell.host
+        send_spawn = host._send_spawn
+        flush = host._flush_unsent
+
+        in_spawn = False
+
+        def recording_flush() -> None:
+            by = "with the spawn" if in_spawn else "alone"
+            sends.extend(f"done {by}" for message in host._unsent if b'"done"' in message)
+            flush()
+
+        async def recording_send_spawn(message: bytes):
+            nonlocal in_spawn
+            in_spawn = True
+            try:
+                sock = await send_spawn(message)
+            finally:
+                in_spawn = False
+            sends.append("spawn")
+            return sock
+
+        monkeypatch.setattr(host, "_flush_unsent", recording_flush)
+        monkeypatch.setattr(host, "_send_spawn", recording_send_spawn)
+        first = await rig.shell.execute(rig.running_call("true"))
+        # The result goes out, and the daemon idles until the agent's next call.
+        await trio.testing.wait_all_tasks_blocked()
+        second = await rig.shell.execute(rig.running_call("true"))
+        assert (first["exit_code"], second["exit_code"]) == (0, 0)
+        # The first command's done went out with the second command's spawn request.
+        assert sends == ["spawn", "done with the spawn", "spawn"]
+        assert [b'"done"' in message for message in host._unsent] == [True]  # the second's waits
+        mock_clock.jump(DONE_FLUSH_DELAY_S)
+        for _ in range(100):  # the delayed flush runs once the clock has moved
+            if not host._unsent:
+                break
+            await trio.testing.wait_all_tasks_blocked()
+        assert sends == ["spawn", "done with the spawn", "spawn", "done alone"]

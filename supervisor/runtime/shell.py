@@ -82,6 +82,12 @@ STOPPING_MESSAGE = "The supervisor is stopping; the command was not started."
 # TERM of a command that has a terminal (a PTY) when neither its request nor its environment
 # names one: what xterm.js, the terminal of E2B's and most web front ends, emulates.
 DEFAULT_TERM = "xterm-256color"
+# How long the host's `done` for a finished command may wait for the next command's spawn
+# request, which carries it (CommandHost._send_spawn sends what is queued first): an agent's
+# commands mostly follow each other within this, and then the host is woken once per command
+# instead of twice (each wake-up of another process costs both cores on the call's path).
+# A command followed by none is forgotten by the host this much later.
+DONE_FLUSH_DELAY_S = 0.05
 # exec.signal's names (protocol.frames.Signal) to their numbers.
 SIGNALS: dict[str, signal.Signals] = {name: signal.Signals[name] for name in get_args(Signal)}
 
@@ -352,6 +358,7 @@ class ShellRuntime:
         # spools, which a prune must keep (their holders still write them).
         # The commands' parent (command_host.py), started with the first command.
         self.host = CommandHost(settings.idle_shells)
+        self._done_flush_due = False  # a _tell_host task is waiting to send the queued `done`s
         # Commands a previous daemon left running under its command host, by call_id.
         self.adopted: dict[str, AdoptedGroup] = {}
         self.held_running: Callable[[], int] = lambda: 0
@@ -637,21 +644,26 @@ class ShellRuntime:
         # The result is journaled right after this (or the call was abandoned): the host
         # need not record the command's end for a next daemon.
         self.host.done(command.call_id)
-        try:
-            self.nursery.start_soon(self._tell_host)
-        except RuntimeError:  # the nursery is closing (a stop): tell it now
-            self.host.flush()
+        if not self._done_flush_due:
+            try:
+                self.nursery.start_soon(self._tell_host)
+                self._done_flush_due = True
+            except RuntimeError:  # the nursery is closing (a stop): tell it now
+                self.host.flush()
         command.output.complete()
         command.completed.set()
         self._forget_if_done(command)
 
     async def _tell_host(self) -> None:
-        """Send the host its `done` after the call's result: the result's commit follows
-        `_complete` without a checkpoint, and its send is woken by that commit, so it runs
-        in the scheduler pass before this task's second step. Shielded: a stop that cancels
-        the runtime still tells the host."""
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        self.host.flush()
+        """Send the host the `done`s queued so far, after the calls' results (the result's
+        commit follows `_complete` without a checkpoint) and at most DONE_FLUSH_DELAY_S
+        later: the next spawn sends them sooner, with its request. A stop that cancels the
+        runtime still tells the host (the flush is in the `finally`)."""
+        try:
+            await trio.sleep(DONE_FLUSH_DELAY_S)
+        finally:
+            self._done_flush_due = False
+            self.host.flush()
 
     def _forget_if_done(self, command: Command) -> None:
         """Drop a command from memory once its call completed, its output tasks ended and
