@@ -4,9 +4,10 @@ Daemon: `python -m sandbox_supervisor.daemon serve` started, one connection boot
 VmRSS from /proc/PID/status after a short settle.
 
 Floor: a fresh Python (the same interpreter) that imports the six libraries the daemon
-depends on — trio, trio_websocket, pydantic, cryptography, structlog, prometheus_client —
+depends on — trio, wsproto, pydantic, cryptography, structlog, prometheus_client —
 and reads its own VmRSS; the median of 3. (joserfc, which the daemon imported until it
-checked the ES256 signature with cryptography itself, is no longer among them.) `import pydantic` and
+checked the ES256 signature with cryptography itself, and trio-websocket, whose server it
+used until its control sockets became its own, are no longer among them.) `import pydantic` and
 `import cryptography` alone load almost nothing (pydantic is lazy; cryptography's EC
 backend is a separate extension module), so the floor imports the names the daemon itself
 imports from them (BaseModel/TypeAdapter, hazmat EC); the figure for bare
@@ -38,7 +39,7 @@ NAME = "idle_rss"
 TARGET_MIB = 55
 SETTLE_S = 0.5
 REPEATS = 3
-TOP_LEVEL = "import trio, trio_websocket, pydantic, cryptography, structlog, prometheus_client\n"
+TOP_LEVEL = "import trio, wsproto, pydantic, cryptography, structlog, prometheus_client\n"
 AS_USED = TOP_LEVEL + (
     "from pydantic import BaseModel, TypeAdapter\n"
     "from cryptography.hazmat.primitives import hashes\n"
