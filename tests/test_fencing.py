@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import struct
 
 import pytest
 import trio
@@ -200,16 +198,21 @@ def _upgrade_head(client, generation: int, attempt_id: str) -> bytes:
 async def test_a_fenced_out_socket_cannot_bind_with_its_first_bootstrap(daemon):
     """A newer upgrade passes the gate (the fence moves) but its 101 never reaches the
     client, so nothing supersedes the older, still silent socket. That socket's bootstrap
-    must not bind the session: it is closed as superseded, and the session stays unbound."""
+    must not bind the session: it is closed as superseded, and the session stays unbound.
+
+    The newer upgrade comes over the unix socket, whose client closes right after sending its
+    head: the daemon reads the head (it is in the socket's buffer), the gate admits it, and
+    the 101 fails at once (EPIPE: a unix socket's closed peer takes no bytes). Over TCP a
+    reset peer can still take the 101 into the kernel's buffer, and the upgrade is then
+    admitted (superseding the old socket) before its first read fails."""
     client = daemon.client()
     supervisor = daemon.supervisor
     async with client.connect(generation=1) as old:
-        # Send a generation-2 head and reset the connection at once: when the daemon has
-        # read the head before the reset, the gate admits it (fencing generation 1 out) and
-        # its 101 fails. When the reset comes first nothing is admitted; try again.
+        # Send a generation-2 head and close at once: when the daemon has read the head
+        # before the close, the gate admits it (fencing generation 1 out) and its 101 fails.
+        # When the close is seen first nothing is admitted; try again.
         for attempt in range(100):
-            stream = await daemon.tcp.open_stream()
-            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            stream = await daemon.unix.open_stream()
             await stream.send_all(_upgrade_head(client, 2 + attempt, f"reset-{attempt}"))
             await trio.aclose_forcefully(stream)
             with trio.move_on_after(1):
