@@ -36,7 +36,7 @@ from sandbox_supervisor.daemon.config import SYSTEM_PATH, SupervisorConfig
 from sandbox_supervisor.daemon.state.visibility import Audience, commands_origin, shell_view, visible
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
-from sandbox_supervisor.daemon.state.store import StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import StateStore
 from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
 from sandbox_supervisor.daemon.runtime.command_output import (
     CommandOutput,
@@ -685,12 +685,10 @@ class ShellRuntime:
             # Still busy (a member between exit and its removal from the cgroup): the next
             # start removes it with the leftovers.
             log.warning("process.cgroup_remove_failed", call_id=command.call_id)
-        try:
-            self.store.forget_process(command.call_id)
-        except StoreError as exc:
-            # A stale row only costs a check at the next start: its start time no longer
-            # matches a live process, so nothing is signalled.
-            log.warning("process.forget_failed", call_id=command.call_id, error=str(exc))
+        # Deleted with the next commit, the call's result (a stale row, should that commit
+        # fail or the daemon die first, only costs a check at the next start: its start time
+        # no longer matches a live process, so nothing is signalled).
+        self.store.forget_process_soon(command.call_id)
 
     async def terminate_group(self, command: Command) -> None:
         """SIGTERM to the group, then SIGKILL to whatever of it is left after the grace —
