@@ -52,6 +52,7 @@ from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, 
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup, signal_group
+from sandbox_supervisor.daemon.runtime.spool_directories import ReadySpoolDirectories
 from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
     SpoolPage,
@@ -350,6 +351,8 @@ class ShellRuntime:
         self.commands: dict[str, Command] = {}
         self._starting = 0  # spawns in progress: counted against max_processes too
         self._spools = SpoolBudget(settings.state_dir, settings.spool_total_max_bytes, keep=self._spools_to_keep)
+        # Spool directories made ahead, off the call's path (spool_directories.py).
+        self.ready_spools = ReadySpoolDirectories(settings.state_dir, nursery)
         self.stopping = False  # set by stop_all: no command starts after it
         # Completed commands' groups that background descendants keep alive: stop_all must
         # still find them, and each is forgotten once empty.
@@ -520,6 +523,7 @@ class ShellRuntime:
                 # the stream over (the state file saying so may be refused by a full disk).
                 on_truncated=functools.partial(self.host.stream_truncated, call_id),
                 budget=self._spools,
+                ready=self.ready_spools,
             )
         except OSError as exc:
             raise start_failure(exc) from None
