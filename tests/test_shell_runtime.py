@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -157,16 +158,20 @@ async def test_signal_command_reaches_the_group_and_then_reports_not_running(sto
         assert rig.shell.signal_command(str(uuid.uuid4()), "SIGKILL") == errors.UNKNOWN_CALL
 
 
-async def test_a_record_the_store_refuses_to_forget_costs_a_warning(store, tmp_path, log_lines):
+async def test_a_record_the_store_cannot_delete_stays_stale_and_costs_the_runtime_nothing(store, tmp_path, log_lines):
+    """The record is deleted with the next commit (forget_process_soon); with the store gone
+    by then, the runtime still forgets the command and carries on, and the row stays behind
+    as a stale one for the next start to drop (its start time matches no live process)."""
     async with runtime(store, tmp_path) as rig:
         running = rig.running_call("sleep 0.2")
         rig.shell.nursery.start_soon(rig.shell.execute, running)
         await wait_started(rig, 1)
-        store.close()  # forget_process will raise StoreError
+        store.close()  # no later commit can take the record with it
     # The runtime forgot the command anyway (the fixture waited for it) and carried on.
-    warnings = [line for line in log_lines() if line["event"] == "process.forget_failed"]
-    assert [w["call_id"] for w in warnings] == [running.call.call_id]
-    assert warnings[0]["level"] == "warning" and "closed" in warnings[0]["error"]
+    assert running.call.call_id not in rig.shell.commands
+    assert not [line for line in log_lines() if line["event"] == "shell.tend_crashed"]
+    with sqlite3.connect(store.path) as conn:
+        assert [row[0] for row in conn.execute("SELECT call_id FROM processes")] == [running.call.call_id]
 
 
 async def test_a_bug_in_the_output_tasks_costs_one_command_not_the_runtime(
@@ -266,3 +271,29 @@ async def test_a_done_rides_with_the_next_spawn_request(store, tmp_path, monkeyp
                 break
             await trio.testing.wait_all_tasks_blocked()
         assert sends == ["spawn", "done with the spawn", "spawn", "done alone"]
+
+
+async def test_a_finished_command_costs_one_store_transaction_and_its_record_goes_with_the_result(store, tmp_path, monkeypatch):
+    """The group's record is written with exec.started (one transaction) and deleted with the
+    next commit, which in the daemon is the call's result: no transaction of its own."""
+    writes: list[str] = []
+    transaction = store._transaction
+
+    def counting(*, write: bool = True):
+        if write:
+            writes.append("write")
+        return transaction(write=write)
+
+    async with runtime(store, tmp_path) as rig:
+        monkeypatch.setattr(store, "_transaction", counting)
+        running = rig.running_call("true")
+        assert (await rig.shell.execute(running))["exit_code"] == 0
+        with trio.fail_after(DEADLINE_S):
+            while running.call.call_id in rig.shell.commands:  # output ended, group gone: forgotten
+                await trio.sleep(0.01)
+        assert writes == ["write"]  # exec.started and the record; the forget rode along
+        assert store.recorded_processes() == []
+        store.append_events([("tool.result", {"call_id": running.call.call_id, "idempotency_key": None,
+                                              "tool_name": "execute_shell_command", "ok": True, "result": {"n": 1}})])
+        with sqlite3.connect(store.path) as conn:
+            assert conn.execute("SELECT COUNT(*) FROM processes").fetchone()[0] == 0

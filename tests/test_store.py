@@ -417,3 +417,39 @@ def test_writes_survive_kill_9_of_the_writer(state_dir: Path) -> None:
         assert store.jti_seen("jti-7", 1.7e9)
         # All three were committed; the ack pruned what it covered, with the floor.
         assert [json.loads(f)["body"]["result"] for _, f in store.events_after(0, 10)] == [{"n": 2}]
+
+
+def _started(call_id: str) -> dict:
+    return {
+        "call_id": call_id, "pid": 4242, "pgid": 4242, "command": "true", "cwd": "/",
+        "started_at": 1_700_000_000.0,
+        "context": {"session_id": "s-1", "generation": 1, "idempotency_key": None},
+    }
+
+
+def _process_rows(state_dir: Path) -> list[str]:
+    with sqlite3.connect(state_dir / DB_FILENAME) as conn:
+        return [row[0] for row in conn.execute("SELECT call_id FROM processes")]
+
+
+def test_a_process_forgotten_soon_goes_with_the_next_write_transaction(tmp_path: Path) -> None:
+    """forget_process_soon: the record leaves the database in the next write transaction
+    (the call's result, which follows at once), not in one of its own; recorded_processes no
+    longer lists it meanwhile; a rolled-back transaction keeps it pending; close deletes what
+    is left."""
+    call_id, other = "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "1c8d3fa0-63b5-4b1f-8e66-4f1b5a4f9f32"
+    store = StateStore.open(tmp_path)
+    store.start_process(call_id, 4242, 4242, 99, _started(call_id))
+    store.start_process(other, 4343, 4343, 99, _started(other))
+    store.forget_process_soon(call_id)
+    assert sorted(_process_rows(tmp_path)) == sorted([call_id, other])  # no transaction of its own
+    assert [row[0] for row in store.recorded_processes()] == [other]
+    with pytest.raises(StoreError):
+        with store._transaction():
+            raise sqlite3.OperationalError("disk I/O error")  # rolled back: still pending
+    assert sorted(_process_rows(tmp_path)) == sorted([call_id, other])
+    store.append_events([("tool.result", tool_result(n=1))])  # any write: the result's commit
+    assert _process_rows(tmp_path) == [other]
+    store.forget_process_soon(other)
+    store.close()
+    assert _process_rows(tmp_path) == []

@@ -43,6 +43,7 @@ from sandbox_supervisor.daemon.runtime.spool import (
     spool_usage,
     stream_path,
 )
+from sandbox_supervisor.daemon.runtime.spool_directories import ReadySpoolDirectories
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
 from sandbox_supervisor.daemon.state.store import StoreError
@@ -188,17 +189,21 @@ class CommandOutput:
         origin: str | None = None,
         on_truncated: Callable[[Stream], None] | None = None,
         budget: SpoolBudget | None = None,
+        ready: ReadySpoolDirectories | None = None,
     ) -> CommandOutput:
         """Create the call's spool (its directory now; each stream's file with its first
         byte). OSError when it cannot be created — FileExistsError for a call that already
         has one. `on_truncated(stream)`: called when a stream first drops bytes. `budget`:
-        the kept bytes count against it, and it may stop them (SpoolBudget)."""
+        the kept bytes count against it, and it may stop them (SpoolBudget). `ready`: the
+        directory is one of these renamed into place when one is ready."""
         streams: dict[Stream, StreamOutput] = {}
         being_written = spools_being_written(state_dir)
         if call_id in being_written:
             raise FileExistsError(f"the spool of {call_id} is already being written")
         being_written.add(call_id)  # before the directory exists: see _BEING_WRITTEN
         try:
+            if ready is not None:
+                ready.take(call_id)  # else (or when it could not) the writers make it, as before
             for name in STREAMS:
                 streams[name] = StreamOutput(
                     SpoolWriter(

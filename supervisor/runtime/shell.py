@@ -36,7 +36,7 @@ from sandbox_supervisor.daemon.config import SYSTEM_PATH, SupervisorConfig
 from sandbox_supervisor.daemon.state.visibility import Audience, commands_origin, shell_view, visible
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
-from sandbox_supervisor.daemon.state.store import StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import StateStore
 from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
 from sandbox_supervisor.daemon.runtime.command_output import (
     CommandOutput,
@@ -52,6 +52,7 @@ from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, 
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup, signal_group
+from sandbox_supervisor.daemon.runtime.spool_directories import ReadySpoolDirectories
 from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
     SpoolPage,
@@ -350,6 +351,8 @@ class ShellRuntime:
         self.commands: dict[str, Command] = {}
         self._starting = 0  # spawns in progress: counted against max_processes too
         self._spools = SpoolBudget(settings.state_dir, settings.spool_total_max_bytes, keep=self._spools_to_keep)
+        # Spool directories made ahead, off the call's path (spool_directories.py).
+        self.ready_spools = ReadySpoolDirectories(settings.state_dir, nursery)
         self.stopping = False  # set by stop_all: no command starts after it
         # Completed commands' groups that background descendants keep alive: stop_all must
         # still find them, and each is forgotten once empty.
@@ -520,6 +523,7 @@ class ShellRuntime:
                 # the stream over (the state file saying so may be refused by a full disk).
                 on_truncated=functools.partial(self.host.stream_truncated, call_id),
                 budget=self._spools,
+                ready=self.ready_spools,
             )
         except OSError as exc:
             raise start_failure(exc) from None
@@ -685,12 +689,10 @@ class ShellRuntime:
             # Still busy (a member between exit and its removal from the cgroup): the next
             # start removes it with the leftovers.
             log.warning("process.cgroup_remove_failed", call_id=command.call_id)
-        try:
-            self.store.forget_process(command.call_id)
-        except StoreError as exc:
-            # A stale row only costs a check at the next start: its start time no longer
-            # matches a live process, so nothing is signalled.
-            log.warning("process.forget_failed", call_id=command.call_id, error=str(exc))
+        # Deleted with the next commit, the call's result (a stale row, should that commit
+        # fail or the daemon die first, only costs a check at the next start: its start time
+        # no longer matches a live process, so nothing is signalled).
+        self.store.forget_process_soon(command.call_id)
 
     async def terminate_group(self, command: Command) -> None:
         """SIGTERM to the group, then SIGKILL to whatever of it is left after the grace —

@@ -471,6 +471,8 @@ class StateStore:
         # itself).
         self._high_water_dir: Path | None = None
         self._journaled_through: int | None = None  # set by an append, recorded at commit
+        # Process records to delete with the next write transaction (forget_process_soon).
+        self._forgotten: set[str] = set()
         # The last seq ever assigned, as committed: kept here rather than read and written in
         # `meta` by every append (two statements and a page of each event's commit). This
         # store is the database's only writer, so the value cannot change behind it; it is
@@ -590,6 +592,12 @@ class StateStore:
 
     def close(self) -> None:
         with self._lock:
+            if self._forgotten and not self._closed:
+                try:
+                    with self._transaction():
+                        pass  # the forgotten records go in its prologue
+                except StoreError:
+                    pass  # stale records: the next start drops them (forget_process_soon)
             if not self._closed:
                 self._closed = True
                 self._conn.close()
@@ -715,9 +723,15 @@ class StateStore:
             except sqlite3.Error as exc:
                 raise store_error("cannot begin a transaction", exc) from exc
             self._journaled_through = None
+            forgotten = tuple(self._forgotten) if write else ()
             try:
+                if forgotten:
+                    conn.execute(
+                        f"DELETE FROM processes WHERE call_id IN ({','.join('?' * len(forgotten))})", forgotten
+                    )
                 yield conn
                 conn.execute("COMMIT")
+                self._forgotten.difference_update(forgotten)
                 if self._journaled_through is not None:
                     self._last_seq = self._journaled_through
             except BaseException as exc:
@@ -1077,12 +1091,21 @@ class StateStore:
         with self._transaction() as conn:
             conn.execute("DELETE FROM processes WHERE call_id = ?", (call_id,))
 
+    def forget_process_soon(self, call_id: str) -> None:
+        """Delete a group's record with the next write transaction: a finished command's
+        result is committed right after (CallRunner._finish), so the record goes with it, one
+        transaction less per command. Should the daemon die first, the record is a stale one,
+        as it was between two transactions before: the next start finds no process of that
+        start time to signal, and drops it. `close` deletes what is still pending."""
+        self._forgotten.add(call_id)
+
     def recorded_processes(self) -> list[tuple[str, int, int, int]]:
         """(call_id, pid, pgid, start_ticks) of every group not yet known to be gone."""
         with self._transaction(write=False) as conn:
-            return conn.execute(
+            rows: list[tuple[str, int, int, int]] = conn.execute(
                 "SELECT call_id, pid, pgid, start_ticks FROM processes ORDER BY recorded_at"
             ).fetchall()
+        return [row for row in rows if row[0] not in self._forgotten]
 
     # -- held processes (runtime/held.py) --------------------------------------------------
 
