@@ -397,10 +397,17 @@ class ExecOutputPageHeader(ServerFrameBase):
 
 def encode_binary_page(body: ExecOutputPageHeaderBody, data: bytes) -> bytes:
     """A binary exec.output_page (§6.5.1): header length, JSON header, the bytes as they are."""
+    return b"".join(binary_page_parts(body, data))
+
+
+def binary_page_parts(body: ExecOutputPageHeaderBody, data: bytes) -> tuple[bytes, bytes]:
+    """The same message in two parts, (header length and JSON header, the bytes), for a
+    sender that writes them without joining them: a page is up to 1 MiB, and joining means a
+    fresh buffer of that size, whose first touch faults every one of its pages in."""
     if body.bytes != len(data):
         raise ValueError("the header's bytes must be the length of the data")
     header = encode_frame(ExecOutputPageHeader(body=body)).encode("utf-8")
-    return b"".join((len(header).to_bytes(BINARY_PAGE_HEADER_LENGTH_BYTES, "big"), header, data))
+    return len(header).to_bytes(BINARY_PAGE_HEADER_LENGTH_BYTES, "big") + header, data
 
 
 def decode_binary_page(message: bytes) -> tuple[ExecOutputPageHeader, bytes]:

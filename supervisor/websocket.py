@@ -93,12 +93,29 @@ def frame_header(opcode_byte: int, length: int) -> bytes:
     return bytes((opcode_byte, _LENGTH_64)) + length.to_bytes(8, "big")
 
 
-def frame_message(message: str | bytes) -> tuple[bytes, bytes]:
-    """A whole message as one frame: (header, payload). Text is UTF-8, binary as it is."""
+# A message to send: text (str), binary (bytes), or a binary message given as two parts
+# written one after the other without being joined (a binary exec.output_page: its header,
+# then up to 1 MiB of spooled bytes).
+Outgoing = str | bytes | tuple[bytes, bytes]
+
+
+def outgoing_size(message: Outgoing) -> int:
+    """What a message counts against a queue's bound: characters of text, bytes of binary."""
+    if isinstance(message, tuple):
+        return len(message[0]) + len(message[1])
+    return len(message)
+
+
+def frame_message(message: Outgoing) -> tuple[bytes, bytes, bytes]:
+    """A whole message as one frame: (header, payload, more payload). Text is UTF-8, binary
+    as it is; the third part is the second of a message given in two, else empty."""
     if isinstance(message, str):
         payload = message.encode("utf-8")
-        return frame_header(_FIN_TEXT, len(payload)), payload
-    return frame_header(_FIN_BINARY, len(message)), message
+        return frame_header(_FIN_TEXT, len(payload)), payload, b""
+    if isinstance(message, tuple):
+        head, tail = message
+        return frame_header(_FIN_BINARY, len(head) + len(tail)), head, tail
+    return frame_header(_FIN_BINARY, len(message)), message, b""
 
 
 def _frame_extent(buffer: bytearray, start: int) -> tuple[int, int] | None:
@@ -443,12 +460,12 @@ class ServerWebSocket:
 
     # --- sending -----------------------------------------------------------------------
 
-    async def send_message(self, message: str | bytes) -> None:
+    async def send_message(self, message: Outgoing) -> None:
         await self.send_messages((message,))
 
     async def send_messages(
         self,
-        messages: Sequence[str | bytes],
+        messages: Sequence[Outgoing],
         *,
         deadline_scope: trio.CancelScope | None = None,
         write_timeout_s: float = 0.0,
@@ -462,16 +479,19 @@ class ServerWebSocket:
         pending: list[bytes] = []
         size = 0
         for message in messages:
-            header, payload = frame_message(message)
-            if len(payload) >= LARGE_MESSAGE_BYTES:
+            header, payload, tail = frame_message(message)
+            if len(payload) + len(tail) >= LARGE_MESSAGE_BYTES:
                 if pending:
                     await self._write(b"".join(pending), deadline_scope, write_timeout_s)
                     pending, size = [], 0
+                if tail:  # a page: its frame header and page header together, then its bytes
+                    header, payload, tail = header + payload, tail, b""
                 await self._write(header, deadline_scope, write_timeout_s, more=payload)
                 continue
             pending.append(header)
             pending.append(payload)
-            size += len(header) + len(payload)
+            pending.append(tail)
+            size += len(header) + len(payload) + len(tail)
             if size >= WRITE_BATCH_MAX_BYTES:
                 await self._write(b"".join(pending), deadline_scope, write_timeout_s)
                 pending, size = [], 0

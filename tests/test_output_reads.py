@@ -152,3 +152,32 @@ async def test_a_large_binary_message_goes_out_as_its_header_and_its_own_bytes(s
         assert json.loads(received[2]) == {"kind": "after"}
 
     await with_pair(body)
+
+
+@pytest.mark.parametrize("size", [100, LARGE_MESSAGE_BYTES, (1 << 20) - 4096])  # the client takes up to 1 MiB
+async def test_a_binary_page_in_two_parts_goes_out_unjoined_and_arrives_as_one_message(size):
+    """A binary exec.output_page is handed over as (its header, its bytes): on the wire one
+    binary message, byte for byte what wsproto frames for the joined page; a large page's
+    bytes are written as themselves (never copied into a joined buffer)."""
+    from sandbox_supervisor.protocol.frames import ExecOutputPageHeaderBody, binary_page_parts, encode_binary_page
+
+    data = os.urandom(size)
+    body = ExecOutputPageHeaderBody(
+        call_id=str(uuid.uuid4()), stream="stdout", offset=0, bytes=size, eof=True, truncated=False
+    )
+    parts = binary_page_parts(body, data)
+    joined = encode_binary_page(body, data)
+    assert parts[0] + parts[1] == joined
+
+    async def body_(ws, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.send_messages, ['{"kind":"before"}', parts, '{"kind":"after"}'])
+            received = [await client.get_message() for _ in range(3)]
+        assert received == ['{"kind":"before"}', joined, '{"kind":"after"}']
+        framer = wsproto.frame_protocol.FrameProtocol(client=False, extensions=[])
+        wire = b"".join(bytes(w) for w in ws.writes)
+        assert bytes(framer.send_data(joined, True)) in wire
+        if size >= LARGE_MESSAGE_BYTES:
+            assert any(w is data for w in ws.writes)  # the page's bytes, written as themselves
+
+    await with_pair(body_)

@@ -26,7 +26,7 @@ from sandbox_supervisor.protocol.frames import (
     ExecSignalFrame,
     ExecWriteStdinFrame,
     ServerFrameModel,
-    encode_binary_page,
+    binary_page_parts,
     encode_stdin_ack,
 )
 from sandbox_supervisor.daemon.runtime.audience import audience_for
@@ -65,7 +65,7 @@ class Runtime:
         resolved by the jail's walk from the opened agent.cwd."""
         return audience_for(self.calls.roots, scopes, allowed_paths, allowed_commands, cwd)
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | str | bytes | None:
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | str | bytes | tuple[bytes, bytes] | None:
         """The exec.* frames (docs/protocol.md §7.4.6, §7.4.7, §7.7): an answer frame, a
         binary message (a binary exec.output_page, §6.5.1), or None (a signal sent, a resize
         done). `audience`: what the sending socket may see;
@@ -98,7 +98,7 @@ class Runtime:
         code = errors.NOT_RUNNING if self.shell.known_call(call_id) else errors.UNKNOWN_CALL
         return _error(code, call_id, request_id)
 
-    def _page(self, read: ExecReadOutputBody, writer_alive: bool | None) -> ServerFrameModel | bytes:
+    def _page(self, read: ExecReadOutputBody, writer_alive: bool | None) -> ServerFrameModel | tuple[bytes, bytes]:
         """exec.read_output's answer: the page as JSON (base64), or as a binary message when
         the request asks for one (no base64, no JSON string: docs/protocol.md §6.5.1)."""
         page = self.shell.read_page(read.call_id, read.stream, read.offset, read.length, writer_alive=writer_alive)
@@ -114,7 +114,8 @@ class Runtime:
                 truncated=page.truncated,
                 request_id=read.request_id,
             )
-            return encode_binary_page(header, page.data)
+            # In two parts, written without joining them (binary_page_parts).
+            return binary_page_parts(header, page.data)
         body = {
             "call_id": read.call_id,
             "stream": read.stream,
@@ -126,7 +127,7 @@ class Runtime:
         }
         return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(body))
 
-    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | str | bytes | None:
+    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | str | bytes | tuple[bytes, bytes] | None:
         call_id = held.call_id
         request_id = frame.body.request_id
         if isinstance(frame, ExecReadOutputFrame):

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from sandbox_supervisor.daemon.websocket import WRITE_BATCH_MAX_BYTES, ConnectionClosed, ServerWebSocket
+from sandbox_supervisor.daemon.websocket import WRITE_BATCH_MAX_BYTES, ConnectionClosed, Outgoing, ServerWebSocket, outgoing_size
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.visibility import Audience
 from sandbox_supervisor.daemon.telemetry import Telemetry
@@ -64,7 +64,7 @@ class SocketSender:
         self._replay_until = journal.last_seq
         self._journal = journal
         self.cursor = cursor  # the highest seq sent (or known to the client) so far
-        self._reply_in, self._reply_out = trio.open_memory_channel[str | bytes](REPLY_QUEUE_SIZE)
+        self._reply_in, self._reply_out = trio.open_memory_channel[Outgoing](REPLY_QUEUE_SIZE)
         self._queued_chars = 0  # characters (or bytes, of a binary reply) in the reply queue
         self._dequeued = trio.Event()  # set (and replaced) each time a reply leaves the queue
         self._wake = trio.Event()
@@ -83,19 +83,20 @@ class SocketSender:
     def wake(self) -> None:
         self._wake.set()
 
-    async def reply(self, text: str | bytes) -> None:
+    async def reply(self, text: Outgoing) -> None:
         """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…);
         bytes go as a binary message (a binary exec.output_page). Once the sender has
         stopped (its socket failed or closed), the reply is dropped at once: nothing will
         write it, and a caller waiting for room would wait for good (the socket's reader,
         which then never learns that its socket is gone)."""
-        while self._queued_chars and self._queued_chars + len(text) > REPLY_QUEUE_MAX_CHARS:
+        size = outgoing_size(text)
+        while self._queued_chars and self._queued_chars + size > REPLY_QUEUE_MAX_CHARS:
             if self.stopped:
                 return
             await self._dequeued.wait()
         if self.stopped:
             return
-        self._queued_chars += len(text)
+        self._queued_chars += size
         try:
             # Room in the queue (the usual case): queued without a checkpoint, so the reply
             # and whatever the same step journals go out in this task's next pass together.
@@ -107,7 +108,7 @@ class SocketSender:
                 # Not queued after all (cancelled while the queue was full, or the sender
                 # stopped: BrokenResourceError): its size is given back, or the cap would
                 # shrink for good.
-                self._queued_chars -= len(text)
+                self._queued_chars -= size
                 if isinstance(exc, trio.BrokenResourceError):
                     return
                 raise
@@ -192,26 +193,27 @@ class SocketSender:
         while not self.stopped and not self.sent_through(seq):
             await self._progress.wait()
 
-    def _take_replies(self) -> list[str | bytes]:
+    def _take_replies(self) -> list[Outgoing]:
         """The queued replies, in order, up to one write's worth (WRITE_BATCH_MAX_BYTES, at
         least one reply): what is taken leaves the queue's count at once, so the replies held
         in memory stay within REPLY_QUEUE_MAX_CHARS plus one write."""
-        texts: list[str | bytes] = []
+        texts: list[Outgoing] = []
         taken = 0
         while taken < WRITE_BATCH_MAX_BYTES:
             try:
                 text = self._reply_out.receive_nowait()
             except trio.WouldBlock:
                 break
-            self._queued_chars -= len(text)
-            taken += len(text)
+            size = outgoing_size(text)
+            self._queued_chars -= size
+            taken += size
             texts.append(text)
         if texts:
             self._dequeued.set()
             self._dequeued = trio.Event()
         return texts
 
-    async def _send(self, texts: Sequence[str | bytes]) -> None:
+    async def _send(self, texts: Sequence[Outgoing]) -> None:
         """Frames in order, each write within the write timeout. A write cut short leaves a
         partial frame on the stream, so the socket is not used again: the cancellation ends
         `run`'s loop, and the sender, as stalled. A write that finishes after its deadline has

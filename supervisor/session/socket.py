@@ -29,7 +29,7 @@ from sandbox_supervisor.protocol.frames import (
     encode_frame,
 )
 from sandbox_supervisor.daemon.auth.gate import Admit
-from sandbox_supervisor.daemon.websocket import ConnectionClosed, ServerWebSocket
+from sandbox_supervisor.daemon.websocket import ConnectionClosed, Outgoing, ServerWebSocket
 from sandbox_supervisor.daemon.ops.notify import SystemdNotifier
 from sandbox_supervisor.daemon.runtime.calls import CallContext, SendReply
 from sandbox_supervisor.daemon.session import bootstrap
@@ -74,7 +74,7 @@ class RuntimePort(Protocol):
         self, body: dict[str, Any], context: CallContext, reply: SendReply, may_act: Callable[[], bool]
     ) -> None: ...
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | str | bytes | None: ...
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | Outgoing | None: ...
 
     def audience(
         self,
@@ -220,7 +220,7 @@ class ControlSocket:
             return None
         return message
 
-    async def _send_now(self, text: str | bytes) -> bool:
+    async def _send_now(self, text: Outgoing) -> bool:
         """Write directly (before the sender exists, and for a rejection)."""
         try:
             await self.conn.ws.send_message(text)
@@ -261,9 +261,10 @@ class ControlSocket:
             elif isinstance(action, RunExec):
                 answer = await self.services.runtime.exec_frame(action.frame, self._socket_audience())
                 if answer is not None:
-                    # bytes: a binary exec.output_page, sent as a binary message (§6.5.1);
-                    # str: a frame the runtime encoded directly (exec.stdin_ack).
-                    await self._reply(answer if isinstance(answer, (bytes, str)) else encode_frame(answer))
+                    # bytes, or its two parts: a binary exec.output_page, sent as a binary
+                    # message (§6.5.1); str: a frame the runtime encoded directly
+                    # (exec.stdin_ack).
+                    await self._reply(answer if isinstance(answer, (bytes, str, tuple)) else encode_frame(answer))
             elif isinstance(action, Bind):
                 services = self.services
                 outcome = bootstrap.bind(
@@ -280,7 +281,7 @@ class ControlSocket:
                 return False
         return True
 
-    async def _reply(self, text: str | bytes) -> None:
+    async def _reply(self, text: Outgoing) -> None:
         if self.sender is not None:
             await self.sender.reply(text)
         else:
