@@ -167,6 +167,14 @@ def _decode_plain(buffer: bytearray, start: int, header_len: int, end: int) -> s
         return None
 
 
+def _may_send(state: ConnectionState, event: Event) -> bool:
+    """Whether a control frame may still go out: a close while open or answering the peer's;
+    a ping or pong only while open (never after a close frame)."""
+    if isinstance(event, CloseConnection):
+        return state is ConnectionState.OPEN or state is ConnectionState.REMOTE_CLOSING
+    return state is ConnectionState.OPEN
+
+
 @dataclass(frozen=True, slots=True)
 class CloseReason:
     """How a WebSocket closed: the code and reason of the close frame, or 1006 and None when
@@ -266,6 +274,8 @@ class ServerWebSocket:
         self._read_done = trio.Event()  # set (and replaced) when a read and its events are done
         self._pings: OrderedDict[bytes, trio.Event] = OrderedDict()
         self._close_handshake = trio.Event()  # both close frames seen, or the stream lost
+        # Our close (1009) stays what `closed` says when the peer answers it.
+        self._reason_is_final = False
         self._stream_closed = False
 
     @property
@@ -285,9 +295,11 @@ class ServerWebSocket:
                 raise ConnectionClosed(self._close_reason)
             await self._read()
 
-    async def _read(self) -> None:
+    async def _read(self, queue_bound: int | None = None) -> None:
         """One read of the stream and the frames it completes; when another task is reading,
-        wait for its read instead (its frames may be what the caller waits for)."""
+        wait for its read instead (its frames may be what the caller waits for). With
+        `queue_bound`, frames are taken only while fewer messages than that are queued: the
+        rest stays in the buffer for the next read."""
         if self._reading:
             await self._read_done.wait()
             return
@@ -295,11 +307,11 @@ class ServerWebSocket:
         try:
             if self._unhandled or self._unparsed:
                 # What is already here (the first frames, pipelined with the head; what a
-                # cancelled read left) comes before the stream is read again.
+                # cancelled or bounded read left) comes before the stream is read again.
                 if self._unhandled:
                     await self._handle_events()
                 if self._unparsed:
-                    await self._take_frames()
+                    await self._take_frames(queue_bound)
                 return
             try:
                 data = await self._io.receive_some(RECEIVE_BUFFER_BYTES)
@@ -310,24 +322,31 @@ class ServerWebSocket:
                 self._abort()
                 return
             self._buffer += data
-            await self._take_frames()
+            await self._take_frames(queue_bound)
         finally:
             self._reading = False
             done, self._read_done = self._read_done, trio.Event()
             done.set()
 
-    async def _take_frames(self) -> None:
+    async def _take_frames(self, queue_bound: int | None = None) -> None:
         """Every whole frame in the buffer. A final text or binary frame that fits the
         message limit, with no fragmented message in progress, is decoded here (its UTF-8
         checked as wsproto checks it); every other frame (control frames, fragments, a frame
         over the limit, anything malformed) goes to wsproto, as it arrives. wsproto is only
         ever given whole frames, or the rest of the one it is reading, so it never holds a
-        frame this loop would have to know about."""
+        frame this loop would have to know about. Once a close has been seen (the peer's, or a
+        frame wsproto refused) nothing after it is taken (RFC 6455, section 7.1.7: no more
+        data after the connection is failed)."""
         self._unparsed = True
         buffer = self._buffer
         start = 0
         try:
             while start < len(buffer):
+                if self._close_handshake.is_set():
+                    start = len(buffer)  # dropped: the stream is closed
+                    break
+                if queue_bound is not None and len(self._messages) >= queue_bound:
+                    return  # the rest waits, unparsed, for the next read
                 if self._owed:  # the rest of the frame wsproto is reading
                     piece = min(self._owed, len(buffer) - start)
                     chunk = bytes(buffer[start : start + piece])
@@ -371,6 +390,7 @@ class ServerWebSocket:
             and not self._fragmented
             and _shortest_length(second & _LENGTH_BITS, length)
             and self._wsproto.state is ConnectionState.OPEN
+            and self._close_reason is None
         )
 
     async def _feed(self, chunk: bytes) -> None:
@@ -384,6 +404,8 @@ class ServerWebSocket:
         self._unhandled = True
         for event in self._wsproto.events():
             await self._on_event(event)
+            if self._close_handshake.is_set():
+                break  # nothing after the close (a refused frame's, or the peer's) counts
         self._unhandled = False
 
     async def _on_event(self, event: Event) -> None:
@@ -405,18 +427,24 @@ class ServerWebSocket:
         # Measured as trio-websocket measures it, in len() of the parts (characters of text):
         # the session layer checks the byte limit of a text message itself.
         data = event.data if isinstance(event.data, str) else bytes(event.data)
-        self._part_size += len(data)
-        self._parts.append(data)
+        # An empty fragment counts as one: a peer sending endless empty continuations would
+        # otherwise grow the list of parts without ever reaching the limit.
+        self._part_size += max(len(data), 1)
+        if data:
+            self._parts.append(data)
         if self._part_size > self._max_message_size:
             reason = f"Exceeded maximum message size: {self._max_message_size} bytes"
             self._parts, self._part_size = [], 0
             self._discarding = True
             self._messages.clear()
             self._close_reason = CloseReason(CLOSE_MESSAGE_TOO_BIG, reason)
+            self._reason_is_final = True  # the peer's answer does not make it another close
             await self._send_control(CloseConnection(code=CLOSE_MESSAGE_TOO_BIG, reason=reason))
         elif event.message_finished:
             parts, self._parts, self._part_size = self._parts, [], 0
-            if len(parts) == 1:
+            if not parts:
+                self._messages.append("" if isinstance(event, TextMessage) else b"")
+            elif len(parts) == 1:
                 self._messages.append(parts[0])
             elif isinstance(event, BytesMessage):
                 self._messages.append(b"".join(part for part in parts if isinstance(part, bytes)))
@@ -439,6 +467,8 @@ class ServerWebSocket:
         is 1002 or 1007 and nothing is answered). A peer's close is answered, and a server
         then closes the stream at once (RFC 6455, section 7.1.1)."""
         reason = CloseReason(event.code, event.reason or None)
+        if self._reason_is_final:
+            reason = self._close_reason or reason
         if self._wsproto.state is ConnectionState.REMOTE_CLOSING:
             self._close_reason = reason
             try:
@@ -505,10 +535,11 @@ class ServerWebSocket:
         write_timeout_s: float = 0.0,
         *,
         more: bytes = b"",
-        control: bool = False,
+        control: Event | None = None,
     ) -> None:
-        """One write of data frames (`control`: a frame wsproto made, which may follow the
-        close state, as the answer to a peer's close does) under the write lock."""
+        """One write under the write lock: data frames (`chunk`, then `more`), or the control
+        frame `control`, which wsproto frames only once the lock is held: nothing is framed
+        or written after a close frame that took the lock first."""
         if deadline_scope is not None:
             deadline_scope.deadline = trio.current_time() + write_timeout_s
         lock = self._write_lock
@@ -522,8 +553,13 @@ class ServerWebSocket:
         try:
             # Looked at under the lock: a close written while this write waited for the lock
             # ends what may be written.
-            if not control and self._close_reason is not None:
-                raise ConnectionClosed(self._close_reason)
+            if control is None:
+                if self._close_reason is not None:
+                    raise ConnectionClosed(self._close_reason)
+            else:
+                if self._stream_closed or not _may_send(self._wsproto.state, control):
+                    raise ConnectionClosed(self._close_reason)
+                chunk = self._wsproto.send(control)
             await self._io.send_all(chunk)
             if more:
                 await self._io.send_all(more)
@@ -534,10 +570,9 @@ class ServerWebSocket:
             lock.release()
 
     async def _send_control(self, event: Event) -> None:
-        """A control frame made by wsproto (which keeps the close state), written at once."""
-        if self._stream_closed:
-            raise ConnectionClosed(self._close_reason)
-        await self._write(self._wsproto.send(event), control=True)
+        """A control frame, framed by wsproto (which keeps the close state) under the write
+        lock and written at once; ConnectionClosed when the close state no longer allows it."""
+        await self._write(b"", control=event)
 
     # --- ping and close ----------------------------------------------------------------
 
@@ -560,7 +595,7 @@ class ServerWebSocket:
                 if self._reading or len(self._messages) >= READ_AHEAD_MESSAGES:
                     await self._read_done.wait()
                 else:
-                    await self._read()
+                    await self._read(queue_bound=READ_AHEAD_MESSAGES)
         finally:
             self._pings.pop(payload, None)
 

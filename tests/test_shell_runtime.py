@@ -226,11 +226,11 @@ async def test_the_host_hears_done_after_the_call_returned_its_result(store, tmp
 
 
 async def test_a_done_rides_with_the_next_spawn_request(store, tmp_path, monkeypatch, mock_clock):
-    """A command that follows within DONE_FLUSH_DELAY_S carries the previous command's `done`
+    """A command that follows within DEFERRED_FLUSH_S carries the previous command's `done`
     to the host ahead of its own spawn request, in the same turn: the host is woken once per
     command, not twice. The delayed flush sends what no spawn took. (The mock clock stands
     still until the test moves it: the host and its commands are real.)"""
-    from sandbox_supervisor.daemon.runtime.shell import DONE_FLUSH_DELAY_S
+    from sandbox_supervisor.daemon.runtime.shell import DEFERRED_FLUSH_S
 
     sends: list[str] = []  # what reached the host's socket, in order
     async with runtime(store, tmp_path) as rig:
@@ -265,17 +265,22 @@ async def test_a_done_rides_with_the_next_spawn_request(store, tmp_path, monkeyp
         # The first command's done went out with the second command's spawn request.
         assert sends == ["spawn", "done with the spawn", "spawn"]
         assert [b'"done"' in message for message in host._unsent] == [True]  # the second's waits
-        mock_clock.jump(DONE_FLUSH_DELAY_S)
+        mock_clock.jump(DEFERRED_FLUSH_S)
         for _ in range(100):  # the delayed flush runs once the clock has moved
             if not host._unsent:
                 break
             await trio.testing.wait_all_tasks_blocked()
         assert sends == ["spawn", "done with the spawn", "spawn", "done alone"]
+        mock_clock.autojump_threshold = 0  # the rest (the runtime's end) at its own pace
 
 
-async def test_a_finished_command_costs_one_store_transaction_and_its_record_goes_with_the_result(store, tmp_path, monkeypatch):
+async def test_a_finished_command_costs_one_store_transaction_and_its_record_goes_with_the_next(store, tmp_path, monkeypatch, mock_clock):
     """The group's record is written with exec.started (one transaction) and deleted with the
-    next commit, which in the daemon is the call's result: no transaction of its own."""
+    next write transaction (in the daemon: the call's result, or the next call's record), not
+    in one of its own; with no write for DEFERRED_FLUSH_S, it goes in one of its own. (The
+    mock clock stands still until the test moves it: the commands are real.)"""
+    from sandbox_supervisor.daemon.runtime.shell import DEFERRED_FLUSH_S
+
     writes: list[str] = []
     transaction = store._transaction
 
@@ -284,16 +289,52 @@ async def test_a_finished_command_costs_one_store_transaction_and_its_record_goe
             writes.append("write")
         return transaction(write=write)
 
+    def rows() -> int:
+        with sqlite3.connect(store.path) as conn:
+            return conn.execute("SELECT COUNT(*) FROM processes").fetchone()[0]
+
     async with runtime(store, tmp_path) as rig:
         monkeypatch.setattr(store, "_transaction", counting)
-        running = rig.running_call("true")
+        first = rig.running_call("true")
+        assert (await rig.shell.execute(first))["exit_code"] == 0
+        for _ in range(100):  # output ended, group gone: forgotten
+            if first.call.call_id not in rig.shell.commands:
+                break
+            await trio.testing.wait_all_tasks_blocked()
+        assert first.call.call_id not in rig.shell.commands
+        assert writes == ["write"]  # exec.started and the record; the forget waits
+        assert store.recorded_processes() == [] and rows() == 1
+        store.append_events([("tool.result", {"call_id": first.call.call_id, "idempotency_key": None,
+                                              "tool_name": "execute_shell_command", "ok": True, "result": {"n": 1}})])
+        assert rows() == 0  # went with that write
+        second = rig.running_call("true")
+        assert (await rig.shell.execute(second))["exit_code"] == 0
+        for _ in range(100):
+            if second.call.call_id not in rig.shell.commands:
+                break
+            await trio.testing.wait_all_tasks_blocked()
+        writes.clear()
+        mock_clock.jump(DEFERRED_FLUSH_S)  # no write came: the deferred flush deletes it
+        for _ in range(100):
+            if rows() == 0:
+                break
+            await trio.testing.wait_all_tasks_blocked()
+        assert rows() == 0 and writes == ["write"]
+        mock_clock.autojump_threshold = 0  # the rest (the runtime's end) at its own pace
+
+
+async def test_a_lingering_groups_record_goes_soon_after_the_group_is_gone(store, tmp_path):
+    """A background descendant keeps the group after the result: once the sweep finds the
+    group gone, its record is deleted within DEFERRED_FLUSH_S although no other write comes,
+    while the pgid's number is still the group's."""
+    async with runtime(store, tmp_path) as rig:
+        running = rig.running_call("sleep 0.3 >/dev/null 2>&1 </dev/null & echo started")
         assert (await rig.shell.execute(running))["exit_code"] == 0
         with trio.fail_after(DEADLINE_S):
-            while running.call.call_id in rig.shell.commands:  # output ended, group gone: forgotten
-                await trio.sleep(0.01)
-        assert writes == ["write"]  # exec.started and the record; the forget rode along
-        assert store.recorded_processes() == []
-        store.append_events([("tool.result", {"call_id": running.call.call_id, "idempotency_key": None,
-                                              "tool_name": "execute_shell_command", "ok": True, "result": {"n": 1}})])
-        with sqlite3.connect(store.path) as conn:
-            assert conn.execute("SELECT COUNT(*) FROM processes").fetchone()[0] == 0
+            while running.call.call_id in rig.shell.commands:  # the sweep forgets it
+                await trio.sleep(POLL_S)
+            while True:
+                with sqlite3.connect(store.path) as conn:  # no other write comes meanwhile
+                    if conn.execute("SELECT COUNT(*) FROM processes").fetchone()[0] == 0:
+                        break
+                await trio.sleep(POLL_S)

@@ -275,3 +275,36 @@ async def test_a_serving_daemon_never_loads_trio_websocket(tmp_path):
     imported = [line.split("|")[-1].strip() for line in process.log_text().splitlines() if line.startswith("import time:")]
     assert "sandbox_supervisor.daemon.websocket" in imported  # the probe saw the daemon's imports
     assert not [name for name in imported if name.split(".")[0] == "trio_websocket"]
+
+
+async def test_a_call_behind_a_refused_frame_is_not_carried_out(tmp_path):
+    """A serve daemon, a bootstrapped session, then one write: a frame the daemon must refuse
+    (unmasked), and behind it a valid tool.call. The socket closes 1002 and the call never
+    runs (RFC 6455, section 7.1.7): a read_file would be answered in the reader's own task,
+    so its tool.finished would come before the socket's close in the log."""
+    import json
+    import uuid
+
+    from sandbox_supervisor.testing.daemon import make_layout, running_daemon
+
+    layout = make_layout(tmp_path / "d")
+    (layout.workspace / "secret.txt").write_text("not for this socket")
+    call_id = str(uuid.uuid4())
+    tool_call = json.dumps({
+        "kind": "tool.call", "connectionGeneration": 1,
+        "body": {"tool_name": "read_file", "call_id": call_id, "parameters": {"path": "secret.txt"}},
+    })
+    async with running_daemon(layout) as process:
+        client = process.running.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+            unmasked = FrameProtocol(client=False, extensions=[]).send_data("refused", True)
+            behind = FrameProtocol(client=True, extensions=[]).send_data(tool_call, True)
+            await session.ws._stream.send_all(bytes(unmasked) + bytes(behind))
+            with trio.fail_after(DEADLINE_S):
+                while '"socket.closed"' not in process.log_text():
+                    await trio.sleep(0.01)
+        lines = [json.loads(line) for line in process.log_text().splitlines() if line.startswith("{")]
+    closed = [line for line in lines if line.get("event") == "socket.closed"]
+    assert [line["code"] for line in closed] == [PROTOCOL_ERROR]
+    assert not [line for line in lines if line.get("call_id") == call_id]

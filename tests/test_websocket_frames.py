@@ -13,11 +13,18 @@ import os
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from wsproto.frame_protocol import FrameProtocol, Opcode
 
-from sandbox_supervisor.daemon.websocket import CLOSE_MESSAGE_TOO_BIG, ConnectionClosed, ServerWebSocket, StreamIO
+from sandbox_supervisor.daemon.websocket import (
+    CLOSE_MESSAGE_TOO_BIG,
+    READ_AHEAD_MESSAGES,
+    ConnectionClosed,
+    ServerWebSocket,
+    StreamIO,
+)
 
 MAX_MESSAGE = 70_000  # above 65,535, so plain frames with 64-bit lengths occur too
 PROTOCOL_ERROR = 1002
@@ -156,3 +163,95 @@ def test_a_frame_over_the_limit_is_1009_however_it_arrives():
             assert received == []
             assert closed.reason is not None and closed.reason.code == CLOSE_MESSAGE_TOO_BIG
             assert io.written[:2] == b"\x88" + bytes((len(io.written) - 2,))  # the close frame, sent
+
+
+VALID_AFTER = FrameProtocol(client=True, extensions=[]).send_data("carried out?", True)
+
+
+@pytest.mark.parametrize(
+    "refused",
+    [
+        _masked(0x81, b"\xff\xfe not utf-8"),
+        bytes((0x81, 3)) + b"abc",  # not masked
+        _masked(0xC1, b"abc"),  # RSV1
+        _masked(0x80, b"abc"),  # a continuation with nothing to continue
+        _masked(0x88, (999).to_bytes(2, "big")),  # a close code nobody may send
+        _masked(0x88, (1000).to_bytes(2, "big") + b"\xff"),  # a close reason that is not UTF-8
+        _masked(0x09, b"p"),  # a fragmented ping
+    ],
+)
+def test_nothing_after_a_refused_frame_is_taken(refused):
+    """RFC 6455, section 7.1.7: once the connection is failed, no more data is processed. A
+    valid frame in the same read as a refused one (a tool call behind it) is not a message."""
+    ws = ServerWebSocket(ScriptedIO([refused + bytes(VALID_AFTER)]), max_message_size=MAX_MESSAGE)
+    received, closed = trio.run(receive_all, ws)
+    assert received == []
+    assert closed.reason is not None and closed.reason.code in (PROTOCOL_ERROR, INVALID_PAYLOAD)
+
+
+def test_nothing_after_the_peers_close_is_taken():
+    framer = FrameProtocol(client=True, extensions=[])
+    data = bytes(framer.send_data("before", True)) + bytes(framer.close(4400, "bye")) + bytes(VALID_AFTER)
+    io = ScriptedIO([data])
+    received, closed = trio.run(receive_all, ServerWebSocket(io, max_message_size=MAX_MESSAGE))
+    assert received == ["before"]
+    assert closed.reason is not None and (closed.reason.code, closed.reason.reason) == (4400, "bye")
+    assert io.written[:1] == b"\x88" and io.closed  # answered, then the stream closed
+
+
+def test_endless_empty_fragments_reach_the_limit():
+    """Empty continuation frames count toward the message limit (one each): a peer cannot grow
+    the daemon's list of parts for ever without reaching 1009."""
+    framer = FrameProtocol(client=True, extensions=[])
+    start = bytes(framer._serialize_frame(Opcode.TEXT, b"", fin=False))
+    empty = bytes(framer._serialize_frame(Opcode.CONTINUATION, b"", fin=False))
+    limit = 1000
+    ws = ServerWebSocket(ScriptedIO([start + empty * (limit + 5)]), max_message_size=limit)
+    received, closed = trio.run(receive_all, ws)
+    assert received == []
+    assert closed.reason is not None and closed.reason.code == CLOSE_MESSAGE_TOO_BIG
+    assert len(ws._parts) == 0
+
+
+def test_a_ping_reads_ahead_at_most_its_bound_even_from_one_read():
+    """Many small messages in one read: the keepalive's ping queues READ_AHEAD_MESSAGES of
+    them and leaves the rest in the buffer for the socket's own task, in order."""
+    framer = FrameProtocol(client=True, extensions=[])
+    chunk = b"".join(bytes(framer.send_data(f"m{n}", True)) for n in range(50))
+    ws = ServerWebSocket(ScriptedIO([chunk]), max_message_size=MAX_MESSAGE)
+
+    async def main() -> list[str | bytes]:
+        with trio.move_on_after(0.2):  # its pong never comes: only the bound is looked at
+            await ws.ping()
+        assert len(ws._messages) == READ_AHEAD_MESSAGES
+        return [await ws.get_message() for _ in range(50)]
+
+    assert trio.run(main) == [f"m{n}" for n in range(50)]
+
+
+def test_no_control_frame_follows_our_close_frame():
+    """A ping that waited for the write lock behind our close is not written after it."""
+    io = ScriptedIO([])
+    ws = ServerWebSocket(io, max_message_size=MAX_MESSAGE)
+    outcome: list[str] = []
+
+    async def ping() -> None:
+        try:
+            await ws.ping()
+        except ConnectionClosed:
+            outcome.append("refused")
+
+    async def main() -> None:
+        await ws._write_lock.acquire()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws.aclose, 4001, "superseded")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(ping)
+            await trio.testing.wait_all_tasks_blocked()
+            ws._write_lock.release()
+
+    trio.run(main)
+    assert outcome == ["refused"]
+    frames = FrameProtocol(client=True, extensions=[])
+    frames.receive_bytes(bytes(io.written))
+    assert [frame.opcode for frame in frames.received_frames()] == [Opcode.CLOSE]

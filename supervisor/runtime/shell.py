@@ -36,7 +36,7 @@ from sandbox_supervisor.daemon.config import SYSTEM_PATH, SupervisorConfig
 from sandbox_supervisor.daemon.state.visibility import Audience, commands_origin, shell_view, visible
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.telemetry import Telemetry
-from sandbox_supervisor.daemon.state.store import StateStore
+from sandbox_supervisor.daemon.state.store import StateStore, StoreError
 from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
 from sandbox_supervisor.daemon.runtime.command_output import (
     CommandOutput,
@@ -83,12 +83,14 @@ STOPPING_MESSAGE = "The supervisor is stopping; the command was not started."
 # TERM of a command that has a terminal (a PTY) when neither its request nor its environment
 # names one: what xterm.js, the terminal of E2B's and most web front ends, emulates.
 DEFAULT_TERM = "xterm-256color"
-# How long the host's `done` for a finished command may wait for the next command's spawn
-# request, which carries it (CommandHost._send_spawn sends what is queued first): an agent's
-# commands mostly follow each other within this, and then the host is woken once per command
-# instead of twice (each wake-up of another process costs both cores on the call's path).
-# A command followed by none is forgotten by the host this much later.
-DONE_FLUSH_DELAY_S = 0.05
+# How long a finished command's housekeeping may wait for the next command to carry it: the
+# host's `done` goes with the next spawn request (CommandHost._send_spawn sends what is queued
+# first), and the deletion of its process record with the next write transaction (the call's
+# result, or the next call's record). An agent's commands mostly follow each other within
+# this; then the host is woken once per command instead of twice (each wake-up of another
+# process costs both cores on the call's path) and the record costs no transaction of its
+# own. What no command carries is sent and deleted this much later.
+DEFERRED_FLUSH_S = 0.05
 # exec.signal's names (protocol.frames.Signal) to their numbers.
 SIGNALS: dict[str, signal.Signals] = {name: signal.Signals[name] for name in get_args(Signal)}
 
@@ -361,7 +363,7 @@ class ShellRuntime:
         # spools, which a prune must keep (their holders still write them).
         # The commands' parent (command_host.py), started with the first command.
         self.host = CommandHost(settings.idle_shells)
-        self._done_flush_due = False  # a _tell_host task is waiting to send the queued `done`s
+        self._flush_due = False  # a _flush_deferred task is waiting (DEFERRED_FLUSH_S)
         # Commands a previous daemon left running under its command host, by call_id.
         self.adopted: dict[str, AdoptedGroup] = {}
         self.held_running: Callable[[], int] = lambda: 0
@@ -648,26 +650,38 @@ class ShellRuntime:
         # The result is journaled right after this (or the call was abandoned): the host
         # need not record the command's end for a next daemon.
         self.host.done(command.call_id)
-        if not self._done_flush_due:
-            try:
-                self.nursery.start_soon(self._tell_host)
-                self._done_flush_due = True
-            except RuntimeError:  # the nursery is closing (a stop): tell it now
-                self.host.flush()
+        self._defer_flush()
         command.output.complete()
         command.completed.set()
         self._forget_if_done(command)
 
-    async def _tell_host(self) -> None:
-        """Send the host the `done`s queued so far, after the calls' results (the result's
-        commit follows `_complete` without a checkpoint) and at most DONE_FLUSH_DELAY_S
-        later: the next spawn sends them sooner, with its request. A stop that cancels the
-        runtime still tells the host (the flush is in the `finally`)."""
+    def _defer_flush(self) -> None:
+        if self._flush_due:
+            return
         try:
-            await trio.sleep(DONE_FLUSH_DELAY_S)
+            self.nursery.start_soon(self._flush_deferred)
+            self._flush_due = True
+        except RuntimeError:  # the nursery is closing (a stop): now
+            self._flush_now()
+
+    async def _flush_deferred(self) -> None:
+        """Send the host the queued `done`s and delete the forgotten process records, at most
+        DEFERRED_FLUSH_S after they were queued (the next spawn and the next write transaction
+        take them sooner). A stop that cancels the runtime still does it (in the `finally`)."""
+        try:
+            await trio.sleep(DEFERRED_FLUSH_S)
         finally:
-            self._done_flush_due = False
-            self.host.flush()
+            self._flush_due = False
+            self._flush_now()
+
+    def _flush_now(self) -> None:
+        self.host.flush()
+        try:
+            self.store.flush_forgotten()
+        except StoreError as exc:
+            # Stale rows only cost a check at the next start: their start times no longer
+            # match a live process, so nothing is signalled.
+            log.warning("process.forget_failed", error=str(exc))
 
     def _forget_if_done(self, command: Command) -> None:
         """Drop a command from memory once its call completed, its output tasks ended and
@@ -689,10 +703,12 @@ class ShellRuntime:
             # Still busy (a member between exit and its removal from the cgroup): the next
             # start removes it with the leftovers.
             log.warning("process.cgroup_remove_failed", call_id=command.call_id)
-        # Deleted with the next commit, the call's result (a stale row, should that commit
-        # fail or the daemon die first, only costs a check at the next start: its start time
-        # no longer matches a live process, so nothing is signalled).
+        # Deleted with the next write transaction (the call's result, when it is forgotten
+        # as it completes), at the latest DEFERRED_FLUSH_S from now. A stale row, should the
+        # daemon die first, only costs a check at the next start: its start time no longer
+        # matches a live process, so nothing is signalled.
         self.store.forget_process_soon(command.call_id)
+        self._defer_flush()
 
     async def terminate_group(self, command: Command) -> None:
         """SIGTERM to the group, then SIGKILL to whatever of it is left after the grace —

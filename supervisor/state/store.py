@@ -45,6 +45,10 @@ SCHEMA_VERSION = 7
 # (about 2-10 ms here), so the event loop never stalls on a large give-back.
 VACUUM_STEP_PAGES = 256
 AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
+# Process records waiting for the next write transaction to delete them (forget_process_soon):
+# one statement takes them all, so the bound keeps it well under sqlite's limit of bound
+# variables even when write transactions keep failing.
+MAX_FORGOTTEN_PENDING = 1024
 # The WAL file is cut back to this size when a checkpoint resets it; without a limit it stays
 # at its largest size ever (a burst of output, a large give-back) for the daemon's life.
 JOURNAL_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
@@ -592,10 +596,9 @@ class StateStore:
 
     def close(self) -> None:
         with self._lock:
-            if self._forgotten and not self._closed:
+            if not self._closed:
                 try:
-                    with self._transaction():
-                        pass  # the forgotten records go in its prologue
+                    self.flush_forgotten()
                 except StoreError:
                     pass  # stale records: the next start drops them (forget_process_soon)
             if not self._closed:
@@ -1096,8 +1099,19 @@ class StateStore:
         result is committed right after (CallRunner._finish), so the record goes with it, one
         transaction less per command. Should the daemon die first, the record is a stale one,
         as it was between two transactions before: the next start finds no process of that
-        start time to signal, and drops it. `close` deletes what is still pending."""
-        self._forgotten.add(call_id)
+        start time to signal, and drops it. `flush_forgotten` (and `close`) delete what is
+        still pending."""
+        if len(self._forgotten) < MAX_FORGOTTEN_PENDING:
+            self._forgotten.add(call_id)
+        # Past the bound (write transactions that keep failing), the row stays: stale, and
+        # dropped by the next start like any other.
+
+    def flush_forgotten(self) -> None:
+        """Delete the records forget_process_soon queued, in a transaction of their own
+        (nothing at all when none is queued)."""
+        if self._forgotten:
+            with self._transaction():
+                pass  # the deletes are the transaction's prologue
 
     def recorded_processes(self) -> list[tuple[str, int, int, int]]:
         """(call_id, pid, pgid, start_ticks) of every group not yet known to be gone."""
