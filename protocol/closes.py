@@ -29,9 +29,9 @@ WRITE_TIMEOUT_REASON = "Peer stopped reading."
 INTERNAL_REASON = "Supervisor internal error."
 TOO_BIG_REASON = "Message is larger than the limit."
 BIND_FORBIDDEN_REASON = "Binding the session needs the session:control scope."
-# Not ours: trio-websocket's text when a message passes its own limit, which it counts in
-# characters while the message arrives. Shown with the default websocket.max_message_bytes;
-# the number is the configured limit.
+# The WebSocket layer's text when a message passes its limit, which it counts in characters
+# while the message arrives (trio-websocket's text, kept when the daemon's socket became its
+# own). Shown with the default websocket.max_message_bytes; the number is the configured limit.
 LIBRARY_TOO_BIG_REASON = "Exceeded maximum message size: 131072 bytes"
 
 MAX_CLOSE_REASON_BYTES = 123  # RFC 6455: a close frame's payload is ≤ 125 bytes, 2 are the code
@@ -63,7 +63,7 @@ CLOSES: tuple[Close, ...] = (
     Close(CLOSE_POLICY_VIOLATION, BOOTSTRAP_MISMATCH_REASON, "supervisor", "the bootstrap's sessionId or generation differs from the upgrade's headers"),
     Close(CLOSE_POLICY_VIOLATION, BIND_FORBIDDEN_REASON, "supervisor", "the first session.bootstrap would bind the session, or differs from its binding, and the assertion lacks session:control (nothing is bound or terminated)"),
     Close(CLOSE_POLICY_VIOLATION, SUPERSEDED_REASON, "supervisor", "a newer upgrade moved the fence or took the session"),
-    Close(CLOSE_MESSAGE_TOO_BIG, LIBRARY_TOO_BIG_REASON, "supervisor", "a message of more than websocket.max_message_bytes characters, stopped by the WebSocket library while it arrives"),
+    Close(CLOSE_MESSAGE_TOO_BIG, LIBRARY_TOO_BIG_REASON, "supervisor", "a message of more than websocket.max_message_bytes characters, stopped by the WebSocket layer while it arrives"),
     Close(CLOSE_MESSAGE_TOO_BIG, TOO_BIG_REASON, "supervisor", "a text message of at most websocket.max_message_bytes characters whose UTF-8 is longer than that many bytes"),
     Close(CLOSE_INTERNAL_ERROR, IDLE_REASON, "supervisor", "no inbound traffic (pongs included) for websocket.idle_timeout_s"),
     Close(CLOSE_INTERNAL_ERROR, RECEIPT_NOT_OBSERVED_REASON, "supervisor", "no 4400 receipt after session.bootstrap.rejected"),
