@@ -463,19 +463,23 @@ class ServerWebSocket:
                 break
 
     async def _on_close(self, event: CloseConnection) -> None:
-        """The peer's close (or, in the same state as OPEN, a frame wsproto refused: its code
-        is 1002 or 1007 and nothing is answered). A peer's close is answered, and a server
+        """The peer's close, answered; or, in the state OPEN, a frame wsproto refused (its code
+        is 1002 or 1007), told to the peer in a close frame of that code. Either way a server
         then closes the stream at once (RFC 6455, section 7.1.1)."""
         reason = CloseReason(event.code, event.reason or None)
         if self._reason_is_final:
             reason = self._close_reason or reason
-        if self._wsproto.state is ConnectionState.REMOTE_CLOSING:
-            self._close_reason = reason
-            try:
-                await self._send_control(event.response())
-            except ConnectionClosed:
-                pass
         self._close_reason = reason
+        try:
+            if self._wsproto.state is ConnectionState.REMOTE_CLOSING:
+                await self._send_control(event.response())
+            elif self._wsproto.state is ConnectionState.OPEN:
+                # A frame wsproto refused: the connection is failed, and the peer is told why
+                # with a close frame of that code before the stream closes (RFC 6455,
+                # section 7.1.7), without waiting for its answer.
+                await self._send_control(CloseConnection(code=event.code, reason=event.reason))
+        except ConnectionClosed:
+            pass
         self._close_handshake.set()
         await self._close_stream()
 

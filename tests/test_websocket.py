@@ -227,7 +227,15 @@ async def test_an_unmasked_frame_from_the_client_is_a_protocol_error():
             await client.send_all(bytes(server_framer.send_data("not masked", True)))
             with pytest.raises(ConnectionClosed) as closed:
                 await ws.get_message()
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += await client.receive_some(4096)
+            rest = answer.split(b"\r\n\r\n", 1)[1]
+            while (more := await client.receive_some(4096)):  # then the stream ends
+                rest += more
         assert closed.value.reason is not None and closed.value.reason.code == PROTOCOL_ERROR
+        # The client is told: a close frame with that code (a server's, unmasked).
+        assert rest[0] == 0x88 and int.from_bytes(rest[2:4], "big") == PROTOCOL_ERROR
     finally:
         await client.aclose()
         await server.aclose()

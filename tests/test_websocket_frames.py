@@ -120,9 +120,16 @@ def test_frames_pipelined_with_the_head_come_first(cuts):
 
 
 def _refused(data: bytes) -> ConnectionClosed:
-    ws = ServerWebSocket(ScriptedIO([data]), max_message_size=MAX_MESSAGE)
+    io = ScriptedIO([data])
+    ws = ServerWebSocket(io, max_message_size=MAX_MESSAGE)
     received, closed = trio.run(receive_all, ws)
     assert received == []
+    # The peer is told why (RFC 6455, section 7.1.7), then the stream closes.
+    peer = FrameProtocol(client=True, extensions=[])
+    peer.receive_bytes(bytes(io.written))
+    (frame,) = list(peer.received_frames())
+    assert frame.opcode is Opcode.CLOSE and closed.reason is not None and frame.payload[0] == closed.reason.code
+    assert io.closed
     return closed
 
 
