@@ -264,6 +264,9 @@ class HeldProcess:
     wake: trio.Event = field(default_factory=trio.Event)
     _files: dict[Stream, int] = field(default_factory=dict)  # the spool files, open for reading
     ended: trio.Event = field(default_factory=trio.Event)  # exec.completed journaled
+    # Set once the tending task's connect to the holder is over (`link` set, or the holder
+    # known gone): what a request right after the start waits for.
+    linked: trio.Event = field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
         for name in STREAMS:

@@ -235,11 +235,15 @@ class ProcessHost:
 
     async def _tend(self, process: HeldProcess) -> None:
         """Follow one process until its end is journaled and its holder is gone."""
-        link = await self._connect(process)
+        link: HolderLink | None = None
+        try:
+            link = await self._connect(process)
+            process.link = link
+        finally:
+            process.linked.set()  # connected or not: a request waiting for it goes on (_ask)
         try:
             async with trio.open_nursery() as nursery:
                 if link is not None:
-                    process.link = link
                     nursery.start_soon(self._follow, process, link)
                     try:
                         await link.request(encode_watch())
@@ -485,6 +489,13 @@ class ProcessHost:
         """The holder's reply, or an error code: not_running once the process ended."""
         if process.exit is not None or process.ended.is_set():
             return errors.NOT_RUNNING
+        if process.link is None and not process.linked.is_set():
+            # Started, and its tending task has not reached the holder yet: a client that
+            # writes as soon as it has the start's result must not be told `not_running`
+            # for a process that runs. The connect has its own patience (_connect).
+            await process.linked.wait()
+            if process.exit is not None or process.ended.is_set():
+                return errors.NOT_RUNNING
         link = process.link
         if link is None:
             return errors.NOT_RUNNING
