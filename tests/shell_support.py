@@ -32,9 +32,15 @@ def rig_settings(state_dir: Path, **overrides: Any) -> ShellSettings:
 
 
 def shell_call(workspace: Path, command: str, **params: Any) -> RunningCall:
+    return command_call(workspace, "execute_shell_command", command, **params)
+
+
+def command_call(workspace: Path, tool_name: str, command: str, **params: Any) -> RunningCall:
+    """A call of a command tool (execute_shell_command, start_process) with a fresh call_id
+    and key, in the control plane's context."""
     call = parse_tool_call(
         {
-            "tool_name": "execute_shell_command",
+            "tool_name": tool_name,
             "call_id": str(uuid.uuid4()),
             "idempotency_key": f"k-{uuid.uuid4()}",
             "parameters": {"command": command, **params},

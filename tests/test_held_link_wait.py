@@ -8,41 +8,17 @@ write below comes right after `start` returns, with no checkpoint between them."
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import trio
 
-from sandbox_supervisor.protocol.tools import parse_tool_call
 from sandbox_supervisor.daemon.runtime.process_host import ProcessHost, launch_in_thread
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
-from sandbox_supervisor.daemon.runtime.tool import CallContext, RunningCall
 from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import StateStore
-from shell_support import rig_settings
+from shell_support import command_call, rig_settings
 
 DEADLINE_S = 20.0
-
-
-def start_call(workspace: Path, command: str) -> RunningCall:
-    call = parse_tool_call(
-        {
-            "tool_name": "start_process",
-            "call_id": str(uuid.uuid4()),
-            "idempotency_key": f"k-{uuid.uuid4()}",
-            "parameters": {"command": command},
-        }
-    )
-    context = CallContext(
-        session_id="session-1",
-        generation=1,
-        cwd=str(workspace),
-        agent_env={},
-        scopes=frozenset({"shell:exec"}),
-        allowed_paths=None,
-        allowed_commands=None,
-    )
-    return RunningCall(call, context)
 
 
 async def test_a_write_right_after_the_start_is_acknowledged_not_refused(tmp_path: Path) -> None:
@@ -55,7 +31,7 @@ async def test_a_write_right_after_the_start_is_acknowledged_not_refused(tmp_pat
             async with trio.open_nursery() as nursery:
                 shell = ShellRuntime(rig_settings(state_dir), store, journal, nursery)
                 host = ProcessHost(shell, store, journal, nursery, launch_in_thread)
-                running = start_call(workspace, "cat")
+                running = command_call(workspace, "start_process", "cat")
                 await host.start(running)
                 process = host.find(running.call.call_id)
                 assert process is not None and process.link is None  # not tended yet

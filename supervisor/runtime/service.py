@@ -30,6 +30,7 @@ from sandbox_supervisor.protocol.frames import (
     encode_stdin_ack,
 )
 from sandbox_supervisor.daemon.runtime.audience import audience_for
+from sandbox_supervisor.daemon.websocket import Outgoing
 from sandbox_supervisor.daemon.runtime.calls import CallRunner
 from sandbox_supervisor.daemon.runtime.held import HeldProcess
 from sandbox_supervisor.daemon.runtime.process_host import ProcessHost
@@ -65,7 +66,7 @@ class Runtime:
         resolved by the jail's walk from the opened agent.cwd."""
         return audience_for(self.calls.roots, scopes, allowed_paths, allowed_commands, cwd)
 
-    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | str | bytes | tuple[bytes, bytes] | None:
+    async def exec_frame(self, frame: ExecFrame, audience: Audience | None = None) -> ServerFrameModel | Outgoing | None:
         """The exec.* frames (docs/protocol.md §7.4.6, §7.4.7, §7.7): an answer frame, a
         binary message (a binary exec.output_page, §6.5.1), or None (a signal sent, a resize
         done). `audience`: what the sending socket may see;
@@ -98,7 +99,7 @@ class Runtime:
         code = errors.NOT_RUNNING if self.shell.known_call(call_id) else errors.UNKNOWN_CALL
         return _error(code, call_id, request_id)
 
-    def _page(self, read: ExecReadOutputBody, writer_alive: bool | None) -> ServerFrameModel | tuple[bytes, bytes]:
+    def _page(self, read: ExecReadOutputBody, writer_alive: bool | None) -> ServerFrameModel | Outgoing:
         """exec.read_output's answer: the page as JSON (base64), or as a binary message when
         the request asks for one (no base64, no JSON string: docs/protocol.md §6.5.1)."""
         page = self.shell.read_page(read.call_id, read.stream, read.offset, read.length, writer_alive=writer_alive)
@@ -127,7 +128,7 @@ class Runtime:
         }
         return ExecOutputPageFrame(body=ExecOutputPageBody.model_validate(body))
 
-    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | str | bytes | tuple[bytes, bytes] | None:
+    async def _held_frame(self, processes: ProcessHost, held: HeldProcess, frame: ExecFrame) -> ServerFrameModel | Outgoing | None:
         call_id = held.call_id
         request_id = frame.body.request_id
         if isinstance(frame, ExecReadOutputFrame):

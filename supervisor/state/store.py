@@ -601,7 +601,6 @@ class StateStore:
                     self.flush_forgotten()
                 except StoreError:
                     pass  # stale records: the next start drops them (forget_process_soon)
-            if not self._closed:
                 self._closed = True
                 self._conn.close()
                 if self._high_water is not None:
