@@ -182,3 +182,74 @@ def test_the_console_format_prints_enum_values() -> None:
 def test_the_json_format_writes_enum_values() -> None:
     event = json.loads(_render("json", code=CloseReason.NORMAL_CLOSURE, colour=Colour.RED))
     assert (event["code"], event["colour"]) == (1000, "red")
+
+
+def test_a_cached_logger_follows_a_later_configuration() -> None:
+    """Loggers are cached on first use; the level, the stream and the format set by a later
+    `configure_logging` still reach them (the suite and an operator's tooling reconfigure)."""
+    logger = structlog.get_logger("test.cached")
+    quiet = io.StringIO()
+    configure_logging("error", "json", stream=quiet)
+    try:
+        logger.info("first.use")  # the first use caches the logger, below the level
+        assert quiet.getvalue() == ""
+        loud = io.StringIO()
+        configure_logging("info", "json", stream=loud)
+        logger.info("after.reconfigure", n=1)
+        logger.bind(k="v").warning("bound.after")
+        lines = [json.loads(line) for line in loud.getvalue().splitlines()]
+        assert [(line["event"], line["level"]) for line in lines] == [("after.reconfigure", "info"), ("bound.after", "warning")]
+        console = io.StringIO()
+        configure_logging("warning", "console", stream=console)
+        logger.info("not.shown")
+        logger.error("shown", code=CloseReason.NORMAL_CLOSURE)
+        assert "not.shown" not in console.getvalue() and "shown" in console.getvalue() and "code=1000" in console.getvalue()
+        assert quiet.getvalue() == ""
+    finally:
+        configure_logging("error", "json")  # the suite's quiet default (conftest.py)
+
+
+def test_the_json_line_has_level_timestamp_traceback_and_a_repr_for_the_rest() -> None:
+    class Opaque:
+        def __repr__(self) -> str:
+            return "<opaque>"
+
+    buffer = io.StringIO()
+    configure_logging("info", "json", stream=buffer)
+    try:
+        logger = structlog.get_logger("test.json")
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logger.exception("it.failed", thing=Opaque(), path=Path("/a"))
+        logger.warn("alias.warn")
+    finally:
+        configure_logging("error", "json")
+    failed, warned = (json.loads(line) for line in buffer.getvalue().splitlines())
+    assert failed["event"] == "it.failed" and failed["level"] == "error"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", failed["timestamp"])
+    assert "Traceback" in failed["exception"] and "ValueError: boom" in failed["exception"]
+    assert "exc_info" not in failed
+    assert (failed["thing"], failed["path"]) == ("<opaque>", "PosixPath('/a')")
+    assert warned["level"] == "warning"
+
+
+def _is_logger_name(name: str) -> bool:
+    return name == "log" or name.endswith("_log")
+
+
+def test_every_logging_method_the_daemon_calls_exists_on_its_logger() -> None:
+    from sandbox_supervisor.daemon.ops.logs import LiveLevelLogger
+
+    called = set()
+    for path in DAEMON.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, (ast.Name, ast.Attribute))
+                and _is_logger_name(getattr(node.func.value, "id", None) or getattr(node.func.value, "attr", ""))
+            ):
+                called.add(node.func.attr)
+    assert called and "info" in called
+    assert all(callable(getattr(LiveLevelLogger, name, None)) for name in called), sorted(called)

@@ -256,3 +256,25 @@ def test_arbitrary_paths_resolve_inside_or_raise_a_typed_failure(tmp_path_factor
     else:
         real_root = os.path.realpath(root)
         assert str(resolved) == real_root or str(resolved).startswith(real_root + os.sep)
+
+
+@pytest.mark.parametrize(
+    "relative", ["src/a.py", "src", ".", "src/../README", "link/a.py", "missing/deeper/x", "README/under", "/", "/src/a.py"]
+)
+def test_real_text_is_the_real_path_as_pathlib_writes_it(workspace, relative):
+    """read_file's view path is joined without pathlib; it must be the string Path makes of
+    the same walk, open, missing or blocked, below agent.cwd and at "/"."""
+    from sandbox_supervisor.daemon.runtime.paths import READ_FLAGS, WorkspaceRoot, open_in_jail
+
+    (workspace / "link").symlink_to("src")
+    # A leading "/" here: agent.cwd is "/" itself, and the rest is walked from there.
+    at_root = relative.startswith("/")
+    root = WorkspaceRoot.open("/" if at_root else str(workspace))
+    if at_root:
+        relative = os.path.realpath(workspace).lstrip("/") + relative if relative != "/" else "."
+    try:
+        with open_in_jail(root, relative, None, READ_FLAGS) as jailed:
+            assert jailed.real_text == str(Path(root.real, *jailed.components))
+            assert jailed.real_path == Path(root.real, *jailed.components)
+    finally:
+        root.close()

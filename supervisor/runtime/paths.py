@@ -219,7 +219,17 @@ class JailedPath:
     def real_path(self) -> Path:
         """The path as text, for the shell's spawn and for messages; never opened by the
         file tools."""
-        return Path(self.root.real, *self.components)
+        return Path(self.real_text)
+
+    @property
+    def real_text(self) -> str:
+        """`real_path` as a string, joined without pathlib (a read_file's hot path: the
+        result's view names it). agent.cwd's real path is absolute and normalised, and the
+        components are real entry names, so the join is what Path would make of them."""
+        base, parts = self.root.real, self.components
+        if not parts:
+            return base
+        return (base if base.endswith("/") else base + "/") + "/".join(parts)
 
     def take_fd(self) -> int:
         """The final descriptor, handed over to the caller (who closes it)."""
@@ -330,7 +340,7 @@ def allowed_real_paths(root: WorkspaceRoot, allowed_paths: Sequence[str]) -> tup
         except (_Outside, _UnresolvablePath, ToolFailure, OSError):
             continue
         try:
-            found.append(str(entry.real_path))
+            found.append(entry.real_text)
         finally:
             entry.close()
     return tuple(found)

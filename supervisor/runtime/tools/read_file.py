@@ -76,7 +76,7 @@ def _target(running: RunningCall, services: ToolServices) -> tuple[Opener, ReadF
     def opener() -> Iterator[JailedPath]:
         with open_in_jail(root, params.path, ctx.allowed_paths, READ_FLAGS) as jailed:
             # Who may see the result depends on the real path (docs/protocol.md §9.1).
-            running.view_path = str(jailed.real_path)
+            running.view_path = jailed.real_text
             yield jailed
 
     return opener, params
