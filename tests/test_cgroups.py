@@ -108,6 +108,18 @@ def test_mountinfo_finds_hierarchy_roots_only_and_unescapes_paths():
     assert cgroups.hierarchy_path("/sys/fs/cgroup/pids", "/") == "/sys/fs/cgroup/pids"
 
 
+def test_a_cgroup_file_is_read_whole_past_one_read(tmp_path):
+    """cgroup.procs of a command with many processes is longer than one read: all of it is
+    read, and as text; a missing file is FileNotFoundError, as callers expect."""
+    procs = tmp_path / "cgroup.procs"
+    pids = [str(pid) for pid in range(100_000, 130_000)]  # about 210 KB, several reads
+    procs.write_text("\n".join(pids) + "\n")
+    assert cgroups._read(str(procs)).split() == pids
+    assert cgroups._pids_in(str(tmp_path)) == [int(pid) for pid in pids]
+    with pytest.raises(FileNotFoundError):
+        cgroups._read(str(tmp_path / "cgroup.events"))
+
+
 def test_keyed_files_memory_events_and_oom_control():
     assert parse_keyed("low 0\nhigh 0\nmax 12\noom 3\noom_kill 2\noom_group_kill 0\n")["oom_kill"] == 2
     assert parse_keyed("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n") == {"oom_kill_disable": 0, "under_oom": 0, "oom_kill": 1}

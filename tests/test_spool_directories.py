@@ -10,6 +10,7 @@ import stat
 import uuid
 from pathlib import Path
 
+import pytest
 import trio
 import trio.testing
 
@@ -107,3 +108,41 @@ async def test_a_refusing_file_system_leaves_the_calls_to_make_their_own(tmp_pat
                 while shell.commands:  # every command's tasks end on their own
                     await trio.sleep(0.01)
                 await shell.host.aclose()
+
+
+async def test_writers_in_a_renamed_directory_skip_its_checks_and_still_spool(tmp_path: Path, monkeypatch) -> None:
+    """A ready directory renamed into place is empty by construction: its writers make no
+    directory and look for no stream file (a failing mkdir and two stats per command), and
+    the bytes still land in it. A directory the writers must make is checked as before."""
+    from sandbox_supervisor.daemon.runtime.command_output import CommandOutput, OutputLimits
+    from sandbox_supervisor.daemon.runtime.spool import SpoolWriter
+
+    limits = OutputLimits(throttle_ms=50, max_chunk_bytes=4096, buffer_bytes=65536, spool_max_bytes=1 << 20)
+    checked: list[Path] = []
+    real_mkdir = Path.mkdir
+
+    def counting_mkdir(self: Path, *args: object, **kwargs: object) -> None:
+        checked.append(self)
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", counting_mkdir)
+    with StateStore.open(tmp_path / "state") as store:
+        async with trio.open_nursery() as nursery:
+            ready = ReadySpoolDirectories(tmp_path, nursery)
+            ready.take(str(uuid.uuid4()))
+            await _refilled(ready, READY_TARGET)
+            checked.clear()
+            call_id = str(uuid.uuid4())
+            output = CommandOutput.open(tmp_path, call_id, limits, Journal(store), ready=ready)
+            assert checked == []
+            output.streams["stdout"].feed(b"kept\n")
+            output.close()
+            assert (spool_dir(tmp_path, call_id) / "stdout").read_bytes() == b"kept\n"
+            nursery.cancel_scope.cancel()
+    # Without a ready directory the writer makes it, and refuses a stream that is there.
+    made = spool_dir(tmp_path, str(uuid.uuid4()))
+    SpoolWriter(made / "stdout", 1024).close()
+    assert made.is_dir() and made in checked
+    (made / "stderr").write_bytes(b"")
+    with pytest.raises(FileExistsError):
+        SpoolWriter(made / "stderr", 1024)

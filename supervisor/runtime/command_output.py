@@ -202,14 +202,15 @@ class CommandOutput:
             raise FileExistsError(f"the spool of {call_id} is already being written")
         being_written.add(call_id)  # before the directory exists: see _BEING_WRITTEN
         try:
-            if ready is not None:
-                ready.take(call_id)  # else (or when it could not) the writers make it, as before
+            # Else (or when it could not) the writers make the directory, as before.
+            fresh = ready is not None and ready.take(call_id)
             for name in STREAMS:
                 streams[name] = StreamOutput(
                     SpoolWriter(
                         stream_path(state_dir, call_id, name),
                         limits.spool_max_bytes,
                         on_truncated=None if on_truncated is None else functools.partial(on_truncated, name),
+                        fresh_directory=fresh,
                     ),
                     LiveOutput(limits.throttle_ms, limits.max_chunk_bytes, limits.buffer_bytes),
                     budget=budget,
@@ -291,7 +292,12 @@ class CommandOutput:
         finally:
             stream.closed = True
             stream.spool.close()
-            await trio.aclose_forcefully(pipe)
+            if isinstance(pipe, trio.lowlevel.FdStream):
+                # Closed at once: aclose would add a scheduler pass per pipe (two per
+                # command) for a close that cannot block.
+                pipe.close()
+            else:
+                await trio.aclose_forcefully(pipe)
             if all(s.closed for s in self.streams.values()):
                 self.closed.set()
                 self._wake.set()

@@ -243,15 +243,24 @@ class SpoolWriter:
     """Appends one stream's bytes to its spool file, keeping at most `cap_bytes`."""
 
     def __init__(
-        self, path: str | os.PathLike[str], cap_bytes: int, on_truncated: Callable[[], None] | None = None
+        self,
+        path: str | os.PathLike[str],
+        cap_bytes: int,
+        on_truncated: Callable[[], None] | None = None,
+        *,
+        fresh_directory: bool = False,
     ) -> None:
+        """`fresh_directory`: the call's directory was just renamed into place empty (a ready
+        spool directory), so there is neither a directory to make nor a stream to find:
+        the two checks (a failing mkdir and two stats) are skipped on the command's path."""
         if cap_bytes < 0:
             raise ValueError("cap_bytes must not be negative")
         self.path = Path(path)
         self._cap = cap_bytes
-        self.path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
-        if self.path.exists():
-            raise FileExistsError(f"spool stream {self.path} already exists")
+        if not fresh_directory:
+            self.path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
+            if self.path.exists():
+                raise FileExistsError(f"spool stream {self.path} already exists")
         # The file is created with the first byte: most commands leave one stream (often
         # both) empty, and every file created is a metadata write on the command's path. A
         # stream without a file in an existing call directory reads as empty (read_range).
