@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import logging
 import re
 from enum import Enum
 from pathlib import Path
@@ -253,3 +254,23 @@ def test_every_logging_method_the_daemon_calls_exists_on_its_logger() -> None:
                 called.add(node.func.attr)
     assert called and "info" in called
     assert all(callable(getattr(LiveLevelLogger, name, None)) for name in called), sorted(called)
+
+
+def test_the_logger_keeps_the_rest_of_structlogs_synchronous_interface() -> None:
+    """%-arguments, `log(level, …)` and the level queries, as structlog's filtering logger
+    has them, all following the live level."""
+    buffer = io.StringIO()
+    configure_logging("warning", "json", stream=buffer)
+    try:
+        logger = structlog.get_logger("test.interface")
+        logger.warning("took %d ms", 5)
+        logger.log(logging.INFO, "below.the.level")
+        logger.log(logging.ERROR, "at %s", "error")
+        assert logger.is_enabled_for(logging.WARNING) and not logger.is_enabled_for(logging.INFO)
+        assert logger.get_effective_level() == logging.WARNING
+        configure_logging("info", "json", stream=buffer)
+        assert logger.is_enabled_for(logging.INFO) and logger.get_effective_level() == logging.INFO
+    finally:
+        configure_logging("error", "json")
+    lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    assert [(line["event"], line["level"]) for line in lines] == [("took 5 ms", "warning"), ("at error", "error")]

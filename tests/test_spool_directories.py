@@ -69,6 +69,21 @@ async def test_a_call_whose_directory_holds_files_keeps_it_and_the_ready_one_sta
         assert ready.ready == READY_TARGET
 
 
+async def test_a_file_at_the_calls_path_keeps_the_ready_ones_ready(tmp_path: Path) -> None:
+    """Only tampering puts a file at spool/<call_id>; the rename then fails with ENOTDIR, and
+    that must not use up (and lose) every ready directory in turn."""
+    async with trio.open_nursery() as nursery:
+        ready = ReadySpoolDirectories(tmp_path, nursery)
+        ready.take(str(uuid.uuid4()))
+        await _refilled(ready, READY_TARGET)
+        blocked = str(uuid.uuid4())
+        spool_dir(tmp_path, blocked).write_text("not a directory")
+        assert ready.take(blocked) is False
+        assert ready.ready == READY_TARGET
+        assert len(os.listdir(tmp_path / READY_DIRECTORY)) == READY_TARGET
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_next_start_takes_the_empty_ones_left_ready_and_leaves_anything_else(tmp_path: Path) -> None:
     left = tmp_path / READY_DIRECTORY
     left.mkdir(parents=True)
@@ -119,13 +134,18 @@ async def test_writers_in_a_renamed_directory_skip_its_checks_and_still_spool(tm
 
     limits = OutputLimits(throttle_ms=50, max_chunk_bytes=4096, buffer_bytes=65536, spool_max_bytes=1 << 20)
     checked: list[Path] = []
-    real_mkdir = Path.mkdir
+    real_mkdir, real_exists = Path.mkdir, Path.exists
 
     def counting_mkdir(self: Path, *args: object, **kwargs: object) -> None:
         checked.append(self)
         real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
 
+    def counting_exists(self: Path, *args: object, **kwargs: object) -> bool:
+        checked.append(self)
+        return real_exists(self, *args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(Path, "mkdir", counting_mkdir)
+    monkeypatch.setattr(Path, "exists", counting_exists)
     with StateStore.open(tmp_path / "state") as store:
         async with trio.open_nursery() as nursery:
             ready = ReadySpoolDirectories(tmp_path, nursery)

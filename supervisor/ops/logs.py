@@ -13,7 +13,10 @@ one pass, about a third of structlog's six-processor chain) and loggers are cach
 use. The configuration stays live all the same: the level is read at each call
 (`LiveLevelLogger`), and the sink and the processor list are changed in place, so a second
 `configure_logging` (the suite makes one per test that reads the log) reaches loggers that
-were cached before it.
+were cached before it. Only through `configure_logging`: a direct `structlog.configure`
+with a new processor list or wrapper class does not reach a cached logger (editing the list
+in place, as structlog.testing.capture_logs does, still does). structlog's contextvars are
+not merged, as nothing binds any: a `bind_contextvars` would need `merge_contextvars` back.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ class _Threshold:
 
 
 def _level_method(level: int, name: str) -> Callable[..., Any]:
-    def method(self: structlog.BoundLoggerBase, event: str, **fields: Any) -> Any:
+    def method(self: structlog.BoundLoggerBase, event: str, *args: Any, **fields: Any) -> Any:
         if level < _Threshold.level:
             return None
-        return self._proxy_to_logger(name, event, **fields)
+        # %-arguments as structlog's filtering logger takes them (the daemon passes none).
+        return self._proxy_to_logger(name, event % args if args else event, **fields)
 
     method.__name__ = name
     return method
@@ -76,9 +80,9 @@ def _level_method(level: int, name: str) -> Callable[..., Any]:
 
 class LiveLevelLogger(structlog.BoundLoggerBase):
     """structlog's filtering logger with the threshold read at each call instead of fixed
-    in the class: a cached logger follows a later `configure_logging`. The daemon's calls
-    are these methods with keyword fields (no %-arguments, no async variants), which
-    tests/test_log_fields.py checks."""
+    in the class: a cached logger follows a later `configure_logging`. The synchronous
+    methods of structlog's FilteringBoundLogger; not its async variants, which the daemon
+    never calls (tests/test_log_fields.py checks every call)."""
 
     debug = _level_method(logging.DEBUG, "debug")
     info = _level_method(logging.INFO, "info")
@@ -91,9 +95,21 @@ class LiveLevelLogger(structlog.BoundLoggerBase):
     fatal = critical
     msg = info
 
-    def exception(self, event: str, **fields: Any) -> Any:
+    def exception(self, event: str, *args: Any, **fields: Any) -> Any:
         fields.setdefault("exc_info", True)
-        return self.error(event, **fields)
+        return self.error(event, *args, **fields)
+
+    def log(self, level: int, event: str, *args: Any, **fields: Any) -> Any:
+        if level < _Threshold.level:
+            return None
+        name = logging.getLevelName(level).lower()
+        return self._proxy_to_logger(name, event % args if args else event, **fields)
+
+    def is_enabled_for(self, level: int) -> bool:
+        return level >= _Threshold.level
+
+    def get_effective_level(self) -> int:
+        return _Threshold.level
 
 
 def enum_values(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> EventDict:
@@ -108,7 +124,10 @@ def enum_values(_logger: WrappedLogger, _method: str, event_dict: EventDict) -> 
 
 def _json_value(value: object) -> object:
     """What JSON cannot encode itself: an Enum as its value (an IntEnum or a str Enum already
-    encodes as its value), anything else as structlog renders it (`__structlog__`, else repr)."""
+    encodes as its value), anything else as structlog renders it (`__structlog__`, else repr).
+    Being the encoder's hook, it also reaches an Enum nested in a list or a dict (the console
+    format, as structlog's JSONRenderer did, shows a nested one's repr); the daemon logs no
+    nested Enum."""
     if isinstance(value, Enum):
         return value.value
     render = getattr(value, "__structlog__", None)
@@ -122,18 +141,20 @@ _LEVEL_OF_METHOD = {"warn": "warning", "exception": "error"}
 
 class _UtcClock:
     """ISO 8601 UTC with microseconds (`2026-12-01T22:17:07.123456Z`), the date and time of
-    day formatted once per second."""
+    day formatted once per second. The second and its text are one tuple, replaced in one
+    assignment: a worker thread that logs meanwhile reads either the old pair or the new one,
+    never one second's text with another's microseconds."""
 
     def __init__(self) -> None:
-        self._second = -1
-        self._prefix = ""
+        self._cached: tuple[int, str] = (-1, "")
 
     def now(self) -> str:
         second, micros = divmod(time.time_ns() // 1000, 1_000_000)
-        if second != self._second:
-            self._second = second
-            self._prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        return f"{self._prefix}.{micros:06d}Z"
+        cached_second, prefix = self._cached
+        if second != cached_second:
+            prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._cached = (second, prefix)
+        return f"{prefix}.{micros:06d}Z"
 
 
 _CLOCK = _UtcClock()

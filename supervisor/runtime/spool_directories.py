@@ -34,8 +34,9 @@ READY_TARGET = 8
 READY_LOW = 2
 _DIRECTORY_MODE = 0o700  # as the spool's own (spool.py): output may hold secrets
 # A call's directory that exists already (a reused call_id; the spool writers then refuse it
-# as before) fails the rename with one of these, and the ready directory stays ready.
-_TARGET_EXISTS = frozenset({errno.ENOTEMPTY, errno.EEXIST})
+# as before), or a file put at its path from outside, fails the rename with one of these,
+# and the ready directory stays ready.
+_TARGET_EXISTS = frozenset({errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR})
 
 
 class ReadySpoolDirectories:
