@@ -9,8 +9,8 @@ Field names are snake_case with their unit (`duration_ms`, `retry_s`), except th
 
 A line is on the hot path of every tool call and connection, so the JSON format renders in
 one processor (`render_json_line`: level, timestamp, traceback, enum values and the JSON in
-one pass, about a third of structlog's six-processor chain) and loggers are cached on first
-use. The configuration stays live all the same: the level is read at each call
+one pass, about half the cost of structlog's six-processor chain) and loggers are cached on
+first use. The configuration stays live all the same: the level is read at each call
 (`LiveLevelLogger`), and the sink and the processor list are changed in place, so a second
 `configure_logging` (the suite makes one per test that reads the log) reaches loggers that
 were cached before it. Only through `configure_logging`: a direct `structlog.configure`
