@@ -70,7 +70,7 @@ __all__ = [
 
 SPOOL_DIRECTORY = "spool"
 STATE_SUFFIX = ".state"
-_DIRECTORY_MODE = 0o700  # output may hold secrets the command printed
+SPOOL_DIRECTORY_MODE = 0o700  # output may hold secrets the command printed
 _FILE_MODE = 0o600
 _CALL_ID = re.compile(UUID_PATTERN)
 
@@ -258,7 +258,7 @@ class SpoolWriter:
         self.path = Path(path)
         self._cap = cap_bytes
         if not fresh_directory:
-            self.path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=SPOOL_DIRECTORY_MODE, parents=True, exist_ok=True)
             if self.path.exists():
                 raise FileExistsError(f"spool stream {self.path} already exists")
         # The file is created with the first byte: most commands leave one stream (often
@@ -423,7 +423,7 @@ def seal_stream(path: str | os.PathLike[str]) -> StreamState:
     try:
         kept = path.stat().st_size
     except FileNotFoundError:
-        path.parent.mkdir(mode=_DIRECTORY_MODE, parents=True, exist_ok=True)
+        path.parent.mkdir(mode=SPOOL_DIRECTORY_MODE, parents=True, exist_ok=True)
         path.touch(mode=_FILE_MODE)
         kept = 0
     total = max(kept, previous.total if previous else 0)

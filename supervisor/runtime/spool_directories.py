@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from sandbox_supervisor.daemon.runtime.spool import SPOOL_DIRECTORY, spool_dir
+from sandbox_supervisor.daemon.runtime.spool import SPOOL_DIRECTORY, SPOOL_DIRECTORY_MODE, spool_dir
 
 log = structlog.get_logger("supervisor.spool")
 
@@ -32,7 +32,6 @@ READY_DIRECTORY = "spool-ready"
 # calls between two refills, few enough that a sandbox that runs no command holds almost none.
 READY_TARGET = 8
 READY_LOW = 2
-_DIRECTORY_MODE = 0o700  # as the spool's own (spool.py): output may hold secrets
 # A call's directory that exists already (a reused call_id; the spool writers then refuse it
 # as before), or a file put at its path from outside, fails the rename with one of these,
 # and the ready directory stays ready.
@@ -91,11 +90,11 @@ class ReadySpoolDirectories:
         made: list[str] = []
         try:
             # The spool itself too: a rename needs its target's parent.
-            os.makedirs(self._state_dir / SPOOL_DIRECTORY, mode=_DIRECTORY_MODE, exist_ok=True)
-            os.makedirs(self._ready, mode=_DIRECTORY_MODE, exist_ok=True)
+            os.makedirs(self._state_dir / SPOOL_DIRECTORY, mode=SPOOL_DIRECTORY_MODE, exist_ok=True)
+            os.makedirs(self._ready, mode=SPOOL_DIRECTORY_MODE, exist_ok=True)
             for _ in range(count):
                 name = uuid.uuid4().hex
-                os.mkdir(self._ready / name, _DIRECTORY_MODE)
+                os.mkdir(self._ready / name, SPOOL_DIRECTORY_MODE)
                 made.append(name)
         except OSError as exc:
             log.info("spool.ready_directories_refused", error=exc.strerror or str(exc), made=len(made))
