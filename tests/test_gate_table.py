@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from sandbox_supervisor.daemon.auth.gate import Admit, GateState, Lifecycle, Refuse, decide_upgrade, fence_admits
+from sandbox_supervisor.daemon.auth.gate import Admit, Lifecycle, Refuse, UpgradeState, decide_upgrade, fence_admits
 from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol import headers as H
 from sandbox_supervisor.protocol.authority import AssertionClaims, AuthorityError
@@ -46,16 +46,16 @@ class Request:
             H.AUTHORITY_HEADER: "header.payload.signature",
         }
     )
-    state: GateState = GateState(
-        lifecycle=Lifecycle.SERVING,
+    lifecycle: Lifecycle = Lifecycle.SERVING
+    state: UpgradeState = UpgradeState(
         bound_session_id=SESSION,
         local_event_max=LOCAL_EVENT_MAX,
         fence_generation=GENERATION - 1,
         fence_attempt_id="attempt-4",
+        jti_seen=False,
     )
     local_sandbox_id: str | None = SANDBOX
     verify_error: str | None = None  # the AuthorityError reason verify raises, if any
-    jti_replayed: bool = False
     called: list[str] = field(default_factory=list)  # which probes ran, in order
 
     def decide(self) -> Admit | Refuse:
@@ -69,13 +69,15 @@ class Request:
                 raise AuthorityError(self.verify_error)
             return CLAIMS
 
-        def jti_seen(jti: str) -> bool:
-            self.called.append("jti_seen")
-            assert jti == JTI
-            return self.jti_replayed
+        def read_state(jti: str) -> UpgradeState:
+            self.called.append("read_state")
+            assert jti == JTI  # the verified assertion's: the replay check reads with it
+            return self.state
 
         raw = [(name.encode(), value.encode()) for name, value in self.headers.items()]
-        return decide_upgrade(raw, self.state, local_sandbox_id=local_sandbox_id, verify=verify, jti_seen=jti_seen)
+        return decide_upgrade(
+            raw, self.lifecycle, local_sandbox_id=local_sandbox_id, verify=verify, read_state=read_state
+        )
 
 
 CLAIMS = AssertionClaims.model_validate(
@@ -131,19 +133,19 @@ class Check:
 # In the gate's order. The state-changing rows use different state fields, except the two
 # lifecycle rows (one field, one value at a time), which are never combined.
 CHECKS = [
-    Check("draining", _state(lifecycle=Lifecycle.DRAINING), errors.DRAINING, ()),
-    Check("terminated", _state(lifecycle=Lifecycle.TERMINATED), errors.TERMINATED, ()),
+    Check("draining", _set("lifecycle", Lifecycle.DRAINING), errors.DRAINING, ()),
+    Check("terminated", _set("lifecycle", Lifecycle.TERMINATED), errors.TERMINATED, ()),
     Check("routing-headers", _header(H.GENERATION_HEADER, None), errors.INVALID_ROUTING_HEADERS, ()),
     Check("identity-unavailable", _set("local_sandbox_id", None), errors.SANDBOX_IDENTITY_UNAVAILABLE, ("local_sandbox_id",)),
     Check("sandbox-mismatch", _header(H.SANDBOX_ID_HEADER, "sbx-other"), errors.SANDBOX_MISMATCH, ("local_sandbox_id",)),
     Check("assertion-missing", _header(H.AUTHORITY_HEADER, None), errors.INVALID_AUTHORITY, ("local_sandbox_id",)),
     Check("assertion-invalid", _set("verify_error", "bad signature"), errors.INVALID_AUTHORITY, ("local_sandbox_id", "verify")),
-    Check("jti-replayed", _set("jti_replayed", True), errors.INVALID_AUTHORITY, ("local_sandbox_id", "verify", "jti_seen")),
-    Check("session-mismatch", _state(bound_session_id="session-other"), errors.SESSION_MISMATCH, ("local_sandbox_id", "verify", "jti_seen")),
-    Check("ack-floor-ahead", _header(H.EVENT_ACK_HEADER, str(LOCAL_EVENT_MAX + 1)), errors.ACK_FLOOR_AHEAD, ("local_sandbox_id", "verify", "jti_seen")),
-    Check("stale-generation", _state(fence_generation=GENERATION + 1), errors.STALE_GENERATION, ("local_sandbox_id", "verify", "jti_seen")),
+    Check("jti-replayed", _state(jti_seen=True), errors.INVALID_AUTHORITY, ("local_sandbox_id", "verify", "read_state")),
+    Check("session-mismatch", _state(bound_session_id="session-other"), errors.SESSION_MISMATCH, ("local_sandbox_id", "verify", "read_state")),
+    Check("ack-floor-ahead", _header(H.EVENT_ACK_HEADER, str(LOCAL_EVENT_MAX + 1)), errors.ACK_FLOOR_AHEAD, ("local_sandbox_id", "verify", "read_state")),
+    Check("stale-generation", _state(fence_generation=GENERATION + 1), errors.STALE_GENERATION, ("local_sandbox_id", "verify", "read_state")),
 ]
-ALL_PROBES = ("local_sandbox_id", "verify", "jti_seen")
+ALL_PROBES = ("local_sandbox_id", "verify", "read_state")
 STATUS = {code: status for code, (status, _) in errors.HTTP_ERRORS.items()}
 
 

@@ -196,6 +196,63 @@ def test_binding_persists_across_reopen_and_cannot_be_replaced(state_dir: Path) 
         assert (snap.bound_session_id, snap.binding_digest) == ("session-1", "d" * 64)
 
 
+def test_upgrade_state_reads_the_gates_facts_and_the_jti_together(store: StateStore) -> None:
+    fresh = store.upgrade_state("jti-1", NOW)
+    assert (fresh.bound_session_id, fresh.local_event_max) == (None, 0)
+    assert (fresh.fence_generation, fresh.fence_attempt_id, fresh.jti_seen) == (0, None, False)
+    upgrade(store, 3, "attempt-a", "jti-1")
+    store.bind("session-1", "d" * 64, "{}", NOW)
+    store.append_events([("tool.result", tool_result(n=1))], now=NOW)
+    state = store.upgrade_state("jti-1", NOW)
+    assert (state.bound_session_id, state.local_event_max) == ("session-1", 1)
+    assert (state.fence_generation, state.fence_attempt_id, state.jti_seen) == (3, "attempt-a", True)
+    assert not store.upgrade_state("jti-2", NOW).jti_seen
+    assert not store.upgrade_state("jti-1", NOW + JTI_TTL).jti_seen  # expired: not a replay
+
+
+def _statements(store: StateStore) -> list[str]:
+    """Every SQL statement the store's connection runs from now on."""
+    seen: list[str] = []
+    store._conn.set_trace_callback(seen.append)
+    return seen
+
+
+def test_the_binding_is_read_once_and_kept_after_it_is_written(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        seen = _statements(store)
+        assert store.binding() is None
+        assert store.binding() is None and store.snapshot().bound_session_id is None
+        assert sum("FROM binding" in sql for sql in seen) == 1  # unbound is remembered too
+        store.bind("session-1", "d" * 64, "{}", NOW)
+        seen.clear()
+        binding = store.binding()
+        assert binding is not None and (binding.session_id, binding.bound_at) == ("session-1", NOW)
+        assert store.upgrade_state("jti-1", NOW).bound_session_id == "session-1"
+        assert store.snapshot().binding_digest == "d" * 64
+        assert not any("binding" in sql for sql in seen)  # the written binding, no read
+    with StateStore.open(state_dir) as store:
+        seen = _statements(store)
+        assert store.snapshot().bound_session_id == "session-1"
+        binding = store.binding()
+        assert binding is not None and binding.digest == "d" * 64
+        assert sum("FROM binding" in sql for sql in seen) == 1
+
+
+def test_a_refused_or_failed_bind_leaves_the_binding_as_the_database_has_it(state_dir: Path) -> None:
+    with StateStore.open(state_dir) as store:
+        store.bind("session-1", "d" * 64, "{}", NOW)
+        with pytest.raises(AlreadyBound):
+            store.bind("session-2", "e" * 64, "{}", NOW)
+        binding = store.binding()
+        assert binding is not None and binding.session_id == "session-1"
+    with StateStore.open(state_dir / "other") as store:
+        store._conn.execute("PRAGMA query_only = ON")  # every write fails: the bind's too
+        with pytest.raises(StoreError):
+            store.bind("session-1", "d" * 64, "{}", NOW)
+        store._conn.execute("PRAGMA query_only = OFF")
+        assert store.binding() is None  # read again, not taken from the failed bind
+
+
 def test_terminated_flag_persists_and_keeps_the_first_reason(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
         assert store.snapshot().terminated is None

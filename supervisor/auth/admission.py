@@ -23,7 +23,7 @@ from sandbox_supervisor.protocol.authority import (
     verify_assertion,
 )
 from sandbox_supervisor.protocol.headers import RoutingHeaders
-from sandbox_supervisor.daemon.auth.gate import Admit, GateState, Refuse, decide_upgrade, refuse
+from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, decide_upgrade, refuse
 from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
 from sandbox_supervisor.daemon.auth.keyring import KeyRing
 from sandbox_supervisor.daemon.edge.http_front import RequestHead
@@ -84,19 +84,12 @@ class UpgradeAdmission:
         now = time.time()
         decision: Admit | Refuse
         try:
-            snapshot = self._store.snapshot()
             decision = decide_upgrade(
                 head.headers,
-                GateState(
-                    lifecycle=self._status.lifecycle,
-                    bound_session_id=snapshot.bound_session_id,
-                    local_event_max=snapshot.local_event_max,
-                    fence_generation=snapshot.fence_generation,
-                    fence_attempt_id=snapshot.fence_attempt_id,
-                ),
+                self._status.lifecycle,
                 local_sandbox_id=self._identity.read,
                 verify=lambda headers: self._verify(headers, now),
-                jti_seen=lambda jti: self._store.jti_seen(jti, now),
+                read_state=lambda jti: self._store.upgrade_state(jti, now),
             )
             if isinstance(decision, Admit):
                 decision = self._record(decision, now)

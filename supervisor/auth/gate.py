@@ -1,8 +1,9 @@
 """The upgrade gate: the ordered checks of docs/protocol.md §2.2 as one pure decision.
 
-Input is the request's headers plus a snapshot of what the daemon knows; output is either an
-`Admit` (what to record before the 101) or a `Refuse` (the exact HTTP answer). The caller does
-the I/O; nothing here touches a socket, a file or a clock.
+Input is the request's headers, the lifecycle, and callables for what the daemon knows (the
+sandbox id, the assertion's verification, the durable state); output is either an `Admit`
+(what to record before the 101) or a `Refuse` (the exact HTTP answer). The caller does the
+I/O; nothing here touches a socket, a file or a clock.
 """
 
 from __future__ import annotations
@@ -14,20 +15,10 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.authority import AssertionClaims, AuthorityError
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.headers import RoutingHeaderError, RoutingHeaders, parse_routing_headers
+from sandbox_supervisor.daemon.state.store import UpgradeState
 from sandbox_supervisor.daemon.status import Lifecycle
 
-__all__ = ["Admit", "GateState", "Lifecycle", "Refuse", "decide_upgrade", "fence_admits", "refuse"]
-
-
-@dataclass(frozen=True, slots=True)
-class GateState:
-    """What the gate needs from durable state, read once per upgrade."""
-
-    lifecycle: Lifecycle
-    bound_session_id: str | None
-    local_event_max: int
-    fence_generation: int  # 0 = no upgrade accepted yet
-    fence_attempt_id: str | None
+__all__ = ["Admit", "Lifecycle", "Refuse", "UpgradeState", "decide_upgrade", "fence_admits", "refuse"]
 
 
 # An assertion sent as an Authorization value would be: "Bearer <jws>". Refused like any
@@ -69,20 +60,22 @@ def refuse(code: str, detail: str, headers: RoutingHeaders | None = None) -> Ref
 
 def decide_upgrade(
     raw_headers: Iterable[tuple[bytes, bytes]],
-    state: GateState,
+    lifecycle: Lifecycle,
     *,
     local_sandbox_id: Callable[[], str | None],
     verify: Callable[[RoutingHeaders], AssertionClaims],
-    jti_seen: Callable[[str], bool],
+    read_state: Callable[[str], UpgradeState],
 ) -> Admit | Refuse:
     """Run checks 1–8 in order; the first failure answers.
 
-    The sandbox id and the assertion are consulted lazily (callables) so that a request that
-    fails an earlier check costs neither a file read nor a signature verification.
+    The sandbox id, the assertion and the durable state are consulted lazily (callables) so
+    that a request that fails an earlier check costs neither a file read, a signature
+    verification nor a store read. The state is read once, with the verified assertion's jti:
+    the replay check and the checks after it share one transaction.
     """
-    if state.lifecycle is Lifecycle.DRAINING:
+    if lifecycle is Lifecycle.DRAINING:
         return refuse(errors.DRAINING, "supervisor is draining")
-    if state.lifecycle is Lifecycle.TERMINATED:
+    if lifecycle is Lifecycle.TERMINATED:
         return refuse(errors.TERMINATED, "supervisor is terminated")
 
     try:
@@ -106,7 +99,8 @@ def decide_upgrade(
         claims = verify(headers)
     except AuthorityError as exc:
         return refuse(errors.INVALID_AUTHORITY, exc.reason, headers)
-    if jti_seen(claims.jti):
+    state = read_state(claims.jti)
+    if state.jti_seen:
         return refuse(errors.INVALID_AUTHORITY, "jti replayed", headers)
 
     if state.bound_session_id is not None and state.bound_session_id != headers.session_id:

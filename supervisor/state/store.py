@@ -339,6 +339,18 @@ class Binding:
 
 
 @dataclass(frozen=True, slots=True)
+class UpgradeState:
+    """What the upgrade gate decides on (docs/protocol.md §2.2), read in one transaction
+    once the assertion is verified (`StateStore.upgrade_state`)."""
+
+    bound_session_id: str | None
+    local_event_max: int
+    fence_generation: int  # 0 = no upgrade accepted yet
+    fence_attempt_id: str | None
+    jti_seen: bool  # the assertion's jti is cached and not yet expired: a replay
+
+
+@dataclass(frozen=True, slots=True)
 class StateSnapshot:
     terminated: Terminated | None
     bound_session_id: str | None
@@ -483,6 +495,12 @@ class StateStore:
         # loaded from the database by the first transaction that needs it (_last_seq_in) and
         # moves only once a commit that journaled events has succeeded (_transaction).
         self._last_seq: int | None = None
+        # The binding, once read or written: it is written once (`bind`, an INSERT that
+        # refuses a second one) and never changed or deleted while the store is open, so
+        # every upgrade and bootstrap after the first reads it from here. _UNREAD until a
+        # transaction has seen it; a failed `bind` leaves it unread (its COMMIT may have
+        # landed).
+        self._binding: Binding | None | _Unread = _UNREAD
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -772,7 +790,7 @@ class StateStore:
     def snapshot(self) -> StateSnapshot:
         with self._transaction(write=False) as conn:
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-            bound = conn.execute("SELECT session_id, digest FROM binding WHERE id = 1").fetchone()
+            bound = self._binding_in(conn)
             # Results that completed records still point at stay below the floor; they are
             # not retained for replay.
             oldest = conn.execute(
@@ -785,8 +803,8 @@ class StateStore:
             terminated = Terminated(code=data["code"], message=data["message"], at=data["at"])
         return StateSnapshot(
             terminated=terminated,
-            bound_session_id=bound[0] if bound else None,
-            binding_digest=bound[1] if bound else None,
+            bound_session_id=bound.session_id if bound else None,
+            binding_digest=bound.digest if bound else None,
             fence_generation=int(meta.get(META_FENCE_GENERATION, 0)),
             fence_attempt_id=meta.get(META_FENCE_ATTEMPT_ID),
             local_event_max=last_seq,
@@ -807,17 +825,37 @@ class StateStore:
     def jti_seen(self, jti: str, now: float) -> bool:
         """True when `jti` is in the cache and not yet expired (expired rows are forgotten)."""
         with self._transaction(write=False) as conn:
-            row = conn.execute(
-                "SELECT 1 FROM jti WHERE jti = ? AND expires_at > ?", (jti, now)
-            ).fetchone()
-        return row is not None
+            return _jti_seen_in(conn, jti, now)
+
+    def upgrade_state(self, jti: str, now: float) -> UpgradeState:
+        """The gate's facts in one read: the bound session, the local event max, the fence,
+        and whether `jti` was seen (`jti_seen`)."""
+        with self._transaction(write=False) as conn:
+            meta = _read_meta(conn, META_FENCE_GENERATION, META_FENCE_ATTEMPT_ID)
+            seen = _jti_seen_in(conn, jti, now)
+            last_seq = self._last_seq_in(conn)
+            bound = self._binding_in(conn)
+        return UpgradeState(
+            bound_session_id=bound.session_id if bound else None,
+            local_event_max=last_seq,
+            fence_generation=int(meta.get(META_FENCE_GENERATION, 0)),
+            fence_attempt_id=meta.get(META_FENCE_ATTEMPT_ID),
+            jti_seen=seen,
+        )
 
     def binding(self) -> Binding | None:
+        if not isinstance(self._binding, _Unread):
+            return self._binding  # never changes once read: no transaction needed
         with self._transaction(write=False) as conn:
+            return self._binding_in(conn)
+
+    def _binding_in(self, conn: sqlite3.Connection) -> Binding | None:
+        if isinstance(self._binding, _Unread):
             row = conn.execute(
                 "SELECT session_id, digest, body_json, bound_at FROM binding WHERE id = 1"
             ).fetchone()
-        return Binding(*row) if row else None
+            self._binding = Binding(*row) if row else None
+        return self._binding
 
     def events_after(self, seq: int, limit: int, max_chars: int | None = None) -> list[tuple[int, str]]:
         """Up to `limit` retained events with a seq above `seq`, in order: (seq, frame_json)."""
@@ -886,7 +924,9 @@ class StateStore:
                     (session_id, digest, body_json, now),
                 )
             except sqlite3.IntegrityError:
+                self._binding = _UNREAD  # someone else's: read it again when asked
                 raise AlreadyBound("the supervisor is already bound") from None
+        self._binding = Binding(session_id, digest, body_json, now)
 
     def mark_terminated(self, code: str, message: str, now: float) -> None:
         """Record the terminal state. The first reason is kept: it is the one that ended the
@@ -1355,6 +1395,17 @@ def take_within(rows: Iterable[Row], max_chars: int) -> list[Row]:
 
 def _call_result_bytes(conn: sqlite3.Connection) -> int:
     return int(_read_meta(conn, META_CALL_RESULT_BYTES).get(META_CALL_RESULT_BYTES, 0))
+
+
+class _Unread:
+    """The type of `_UNREAD`: a cached value not read from the database yet."""
+
+
+_UNREAD = _Unread()
+
+
+def _jti_seen_in(conn: sqlite3.Connection, jti: str, now: float) -> bool:
+    return conn.execute("SELECT 1 FROM jti WHERE jti = ? AND expires_at > ?", (jti, now)).fetchone() is not None
 
 
 def _read_meta(conn: sqlite3.Connection, *keys: str) -> dict[str, str]:
