@@ -767,7 +767,7 @@ class ShellRuntime:
         return visible(shell_view(read_origin(self.settings.state_dir, call_id)), audience)
 
     def known_call(self, call_id: str) -> bool:
-        return spool_dir(self.settings.state_dir, call_id).is_dir()
+        return os.path.isdir(spool_dir(self.settings.state_dir, call_id))
 
     def read_page(
         self, call_id: str, stream: Stream, offset: int, length: int, *, writer_alive: bool | None = None
