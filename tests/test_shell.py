@@ -105,7 +105,6 @@ async def test_cwd_parameter_and_jail(daemon, session):
     assert escaped["ok"] is False and escaped["error"]["code"] == "path_outside_workspace"
 
 
-
 @pytest.mark.parametrize("cwd", ["afile", "missing", "afile/below", "missing/below"])
 async def test_a_cwd_that_is_not_a_directory_is_refused_before_anything_runs(daemon, session, cwd):
     # The jail's walk lets a missing final component, or one beneath a file, through (the
@@ -116,6 +115,7 @@ async def test_a_cwd_that_is_not_a_directory_is_refused_before_anything_runs(dae
     assert result["error"] == {"code": "invalid_parameters", "message": "cwd is not a directory."}
     assert events_of(session, call_id, "exec.started") == []
     assert not (daemon.layout.workspace / "ran").exists()
+
 
 async def test_too_many_processes_counts_spawns_in_progress_and_frees_the_key(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority, exec={"max_processes": 2})

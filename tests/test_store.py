@@ -238,19 +238,47 @@ def test_the_binding_is_read_once_and_kept_after_it_is_written(state_dir: Path) 
         assert sum("FROM binding" in sql for sql in seen) == 1
 
 
+class _CommitLandsThenFails:
+    """The store's connection, whose next COMMIT is carried out and then reported failed, as
+    sqlite may report a COMMIT that landed (an I/O error after the WAL frames were written)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+        cursor = self._conn.execute(sql, *args)
+        if sql == "COMMIT":
+            raise sqlite3.OperationalError("disk I/O error")
+        return cursor
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._conn, name)
+
+
 def test_a_refused_or_failed_bind_leaves_the_binding_as_the_database_has_it(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
-        store.bind("session-1", "d" * 64, "{}", NOW)
+        assert store.binding() is None  # "unbound" is cached now
+        real = store._conn
+        store._conn = _CommitLandsThenFails(real)  # type: ignore[assignment]
+        with pytest.raises(StoreError):
+            store.bind("session-1", "d" * 64, "{}", NOW)
+        store._conn = real
+        seen = _statements(store)
+        binding = store.binding()  # read again: the failed COMMIT had landed
+        assert binding is not None and binding.session_id == "session-1"
+        assert sum("FROM binding" in sql for sql in seen) == 1
         with pytest.raises(AlreadyBound):
             store.bind("session-2", "e" * 64, "{}", NOW)
-        binding = store.binding()
-        assert binding is not None and binding.session_id == "session-1"
+        assert store.upgrade_state("jti-1", NOW).bound_session_id == "session-1"
     with StateStore.open(state_dir / "other") as store:
+        assert store.binding() is None
         store._conn.execute("PRAGMA query_only = ON")  # every write fails: the bind's too
         with pytest.raises(StoreError):
             store.bind("session-1", "d" * 64, "{}", NOW)
         store._conn.execute("PRAGMA query_only = OFF")
-        assert store.binding() is None  # read again, not taken from the failed bind
+        assert store.binding() is None  # nothing landed: still unbound, as read again
+    with pytest.raises(StoreError):
+        store.binding()  # a closed store answers nothing, not even from what it kept
 
 
 def test_terminated_flag_persists_and_keeps_the_first_reason(state_dir: Path) -> None:

@@ -15,7 +15,7 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.authority import AssertionClaims, AuthorityError
 from sandbox_supervisor.protocol.fencing import fence_admits
 from sandbox_supervisor.protocol.headers import RoutingHeaderError, RoutingHeaders, parse_routing_headers
-from sandbox_supervisor.daemon.state.store import UpgradeState
+from sandbox_supervisor.daemon.state.upgrade_state import UpgradeState
 from sandbox_supervisor.daemon.status import Lifecycle
 
 __all__ = ["Admit", "Lifecycle", "Refuse", "UpgradeState", "decide_upgrade", "fence_admits", "refuse"]

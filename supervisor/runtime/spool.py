@@ -111,19 +111,30 @@ class SpoolPage(NamedTuple):
 _PATH_CACHE_SIZE = 64
 
 
-@functools.lru_cache(maxsize=_PATH_CACHE_SIZE)
 def spool_dir(state_dir: str | os.PathLike[str], call_id: str) -> Path:
     """`<state_dir>/spool/<call_id>`; the call_id must be a uuid (it becomes a path component)."""
+    return _spool_dir(os.fspath(state_dir), call_id)
+
+
+def stream_path(state_dir: str | os.PathLike[str], call_id: str, stream: str) -> Path:
+    return _stream_path(os.fspath(state_dir), call_id, stream)
+
+
+# The caches sit behind the typed functions above: lru_cache's wrapper takes any hashable
+# arguments, so a call site's mistake would no longer be a type error. Keyed by the state
+# directory's text, so a Path and its str share one entry.
+@functools.lru_cache(maxsize=_PATH_CACHE_SIZE)
+def _spool_dir(state_dir: str, call_id: str) -> Path:
     if not _CALL_ID.fullmatch(call_id):
         raise ValueError(f"not a call_id: {call_id!r}")
     return Path(state_dir) / SPOOL_DIRECTORY / call_id
 
 
 @functools.lru_cache(maxsize=_PATH_CACHE_SIZE)
-def stream_path(state_dir: str | os.PathLike[str], call_id: str, stream: str) -> Path:
+def _stream_path(state_dir: str, call_id: str, stream: str) -> Path:
     if stream not in STREAMS:
         raise ValueError(f"not a stream: {stream!r}")
-    return spool_dir(state_dir, call_id) / stream
+    return _spool_dir(state_dir, call_id) / stream
 
 
 # Who may read a command's spool (docs/protocol.md §9.1): the origin of the allowed_commands

@@ -1,8 +1,8 @@
 """Durable state in one sqlite file: fence, binding, jti replay cache, journal, idempotency.
 
 The API is synchronous on purpose: each method is one short transaction, so the daemon can
-decide from a `snapshot()` and record the outcome without an `await` in between (the gate's
-decide-and-record stays atomic without locks). WAL with synchronous=NORMAL makes every
+decide from what it read (the gate: `upgrade_state`) and record the outcome without an
+`await` in between (the gate's decide-and-record stays atomic without locks). WAL with synchronous=NORMAL makes every
 committed transaction survive a `kill -9` of the process (docs/protocol.md §9).
 """
 
@@ -27,6 +27,7 @@ from sandbox_supervisor.daemon.state import integrity
 from sandbox_supervisor.daemon.state.fsutil import disk_full
 from sandbox_supervisor.daemon.state.integrity import HighWater, Marker, StateRefused
 from sandbox_supervisor.daemon.state.keys import LEGACY_SPACE, OWNER_SPACE, CallKey
+from sandbox_supervisor.daemon.state.upgrade_state import UpgradeState
 from sandbox_supervisor.daemon.state.visibility import EventView, default_view, event_view
 
 log = structlog.get_logger("supervisor")
@@ -339,18 +340,6 @@ class Binding:
 
 
 @dataclass(frozen=True, slots=True)
-class UpgradeState:
-    """What the upgrade gate decides on (docs/protocol.md §2.2), read in one transaction
-    once the assertion is verified (`StateStore.upgrade_state`)."""
-
-    bound_session_id: str | None
-    local_event_max: int
-    fence_generation: int  # 0 = no upgrade accepted yet
-    fence_attempt_id: str | None
-    jti_seen: bool  # the assertion's jti is cached and not yet expired: a replay
-
-
-@dataclass(frozen=True, slots=True)
 class StateSnapshot:
     terminated: Terminated | None
     bound_session_id: str | None
@@ -498,8 +487,8 @@ class StateStore:
         # The binding, once read or written: it is written once (`bind`, an INSERT that
         # refuses a second one) and never changed or deleted while the store is open, so
         # every upgrade and bootstrap after the first reads it from here. _UNREAD until a
-        # transaction has seen it; a failed `bind` leaves it unread (its COMMIT may have
-        # landed).
+        # transaction has seen it, and again after any failed transaction (a failed `bind`'s
+        # COMMIT may have landed).
         self._binding: Binding | None | _Unread = _UNREAD
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -760,6 +749,9 @@ class StateStore:
                 # an error may still have landed (or an exception came between it and the
                 # line above), and a stale value would make every later append collide.
                 self._last_seq = None
+                # The binding too: a failed `bind` (its COMMIT may have landed) must not
+                # leave "unbound" cached; it is read again when next asked for.
+                self._binding = _UNREAD
                 try:
                     conn.execute("ROLLBACK")
                 except sqlite3.Error:
@@ -844,7 +836,7 @@ class StateStore:
         )
 
     def binding(self) -> Binding | None:
-        if not isinstance(self._binding, _Unread):
+        if not isinstance(self._binding, _Unread) and not self._closed:
             return self._binding  # never changes once read: no transaction needed
         with self._transaction(write=False) as conn:
             return self._binding_in(conn)
@@ -916,17 +908,17 @@ class StateStore:
 
     def bind(self, session_id: str, digest: str, body_json: str, now: float) -> None:
         """Bind the supervisor to its one session; AlreadyBound when a binding exists."""
-        with self._transaction() as conn:
-            try:
-                conn.execute(
-                    "INSERT INTO binding (id, session_id, digest, body_json, bound_at)"
-                    " VALUES (1, ?, ?, ?, ?)",
-                    (session_id, digest, body_json, now),
-                )
-            except sqlite3.IntegrityError:
-                self._binding = _UNREAD  # someone else's: read it again when asked
-                raise AlreadyBound("the supervisor is already bound") from None
-        self._binding = Binding(session_id, digest, body_json, now)
+        with self._lock:  # the commit and the cached binding, together
+            with self._transaction() as conn:
+                try:
+                    conn.execute(
+                        "INSERT INTO binding (id, session_id, digest, body_json, bound_at)"
+                        " VALUES (1, ?, ?, ?, ?)",
+                        (session_id, digest, body_json, now),
+                    )
+                except sqlite3.IntegrityError:
+                    raise AlreadyBound("the supervisor is already bound") from None
+            self._binding = Binding(session_id, digest, body_json, now)
 
     def mark_terminated(self, code: str, message: str, now: float) -> None:
         """Record the terminal state. The first reason is kept: it is the one that ended the
