@@ -32,6 +32,7 @@ Use `DaemonProcess` by hand only for what these do not cover.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -246,14 +247,26 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
         raise
 
 
+
+def _ignore_signals(signals: tuple[int, ...]) -> None:
+    """In the daemon's child before its exec (a preexec_fn)."""
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 class DaemonProcess:
     """`python -m sandbox_supervisor.daemon serve` in a subprocess, with its stderr (the JSON
     log) in `layout.log_file`. Prefer `running_daemon`, which always stops it."""
 
-    def __init__(self, layout: DaemonLayout, *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, layout: DaemonLayout, *, env: dict[str, str] | None = None, ignored_signals: tuple[int, ...] = ()
+    ) -> None:
         self.layout = layout
         self.log_path = layout.log_file
         self.extra_env = env or {}
+        # Signals the daemon starts with ignored, as a shell's background job (`&`: SIGINT,
+        # SIGQUIT) or nohup (SIGHUP) starts it: ignored dispositions survive exec.
+        self.ignored_signals = ignored_signals
         self.proc: subprocess.Popen[bytes] | None = None
         self._running: RunningDaemon | None = None
         self._log: BinaryIO | None = None
@@ -285,6 +298,7 @@ class DaemonProcess:
             stdout=self._log,
             stderr=self._log,
             env=env,
+            preexec_fn=functools.partial(_ignore_signals, self.ignored_signals) if self.ignored_signals else None,
         )
         if not wait_ready:
             return None
@@ -365,11 +379,13 @@ async def running_daemon(
     env: dict[str, str] | None = None,
     wait_ready: bool = True,
     stop_timeout: float = STOP_TIMEOUT_S,
+    ignored_signals: tuple[int, ...] = (),
 ) -> AsyncIterator[DaemonProcess]:
     """Start `python -m sandbox_supervisor.daemon serve` on `layout` and yield the process; on
     leaving, stop whichever run is current (SIGTERM; SIGKILL past `stop_timeout`). `env` is
-    added to the daemon's environment. See the module docstring."""
-    process = DaemonProcess(layout, env=env)
+    added to the daemon's environment; `ignored_signals` are ignored when it starts. See the
+    module docstring."""
+    process = DaemonProcess(layout, env=env, ignored_signals=ignored_signals)
     try:
         await process.start(wait_ready=wait_ready)
         yield process

@@ -823,6 +823,9 @@ def main() -> int:
     if devnull > 2:
         os.close(devnull)
     os.chdir("/")
+    # The host is in a session of its own (no terminal's or group's signal reaches it), and
+    # everything it starts, pre-started shells included, inherits these.
+    holder.restore_inherited_signals()
     Host(daemon).run()
     return 0
 

@@ -140,6 +140,28 @@ def _signal_name(signum: int) -> str:
 
 # --- spawning --------------------------------------------------------------------------------
 
+# Signals a parent may leave ignored: a shell starts a background job (`&`) with SIGINT and
+# SIGQUIT ignored, `nohup` with SIGHUP. An ignored signal stays ignored across fork and exec
+# (only caught ones are reset), so every command would inherit it, and bash may not undo it
+# (POSIX: a signal ignored on entry to a non-interactive shell cannot be trapped or reset):
+# `exec.signal` SIGINT and a Ctrl-C on a terminal would reach a command that ignores them.
+# SIGPIPE and SIGXFSZ are Python's own (put back in each child); SIGCHLD is each spawner's
+# own business (command_host.Spawner, holder_forkserver).
+INHERITED_SIGNALS = (
+    signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
+    signal.SIGALRM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU,
+)
+
+
+def restore_inherited_signals() -> None:
+    """Give each of INHERITED_SIGNALS that this process started with ignored its default
+    disposition back, before it spawns any command: what a command starts with does not
+    depend on how the daemon was started."""
+    for signum in INHERITED_SIGNALS:
+        if signal.getsignal(signum) is signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+
+
 
 class SpawnError(Exception):
     def __init__(self, stage: str, code: int) -> None:
@@ -765,6 +787,7 @@ def _write_error(directory: Path, code: str, message: str) -> None:
 def run_holder(directory: Path, ready_fd: int | None = None) -> int:
     """Be the holder of the spec in `directory`; `ready_fd` is closed once holder.json exists."""
     os.umask(0o077)
+    restore_inherited_signals()
     os.chdir(directory)  # the control socket is bound by a short relative name
     try:
         try:
