@@ -3,6 +3,7 @@ per daemon, and output a Prometheus parser accepts."""
 
 from __future__ import annotations
 
+import trio
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -349,6 +350,10 @@ async def test_a_refusal_that_started_nothing_is_counted_but_not_timed(tmp_path,
             await session.bootstrap(cwd=str(layout.workspace))
             # Holds the one slot while the second call comes (ends by itself: no signal needed).
             busy = await session.call("execute_shell_command", {"command": "sleep 3"}, idempotency_key="m-busy")
+            # Started before the second call is sent: two frames read together start their
+            # calls' tasks in one scheduler batch, whose order trio does not promise.
+            with trio.fail_after(10):
+                await session.receive_until(lambda f: f["kind"] == "exec.started" and f["body"]["call_id"] == busy)
             refused = await session.call_and_wait("execute_shell_command", {"command": "true"}, idempotency_key="m-2")
             assert refused["error"]["code"] == "too_many_processes"
             refused_only = await scrape(running.tcp)
