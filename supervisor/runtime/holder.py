@@ -162,7 +162,6 @@ def restore_inherited_signals() -> None:
             signal.signal(signum, signal.SIG_DFL)
 
 
-
 class SpawnError(Exception):
     def __init__(self, stage: str, code: int) -> None:
         super().__init__(f"{stage}: {os.strerror(code)}")

@@ -2,8 +2,9 @@
 
 The API is synchronous on purpose: each method is one short transaction, so the daemon can
 decide from what it read (the gate: `upgrade_state`) and record the outcome without an
-`await` in between (the gate's decide-and-record stays atomic without locks). WAL with synchronous=NORMAL makes every
-committed transaction survive a `kill -9` of the process (docs/protocol.md §9).
+`await` in between (the gate's decide-and-record stays atomic without locks). WAL with
+synchronous=NORMAL makes every committed transaction survive a `kill -9` of the process
+(docs/protocol.md §9).
 """
 
 from __future__ import annotations
