@@ -248,10 +248,11 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
 
 
 
-def _ignore_signals(signals: tuple[int, ...]) -> None:
+def _set_start_signals(ignored: tuple[int, ...], blocked: tuple[int, ...]) -> None:
     """In the daemon's child before its exec (a preexec_fn)."""
-    for signum in signals:
+    for signum in ignored:
         signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
 
 
 class DaemonProcess:
@@ -259,14 +260,20 @@ class DaemonProcess:
     log) in `layout.log_file`. Prefer `running_daemon`, which always stops it."""
 
     def __init__(
-        self, layout: DaemonLayout, *, env: dict[str, str] | None = None, ignored_signals: tuple[int, ...] = ()
+        self,
+        layout: DaemonLayout,
+        *,
+        env: dict[str, str] | None = None,
+        ignored_signals: tuple[int, ...] = (),
+        blocked_signals: tuple[int, ...] = (),
     ) -> None:
         self.layout = layout
         self.log_path = layout.log_file
         self.extra_env = env or {}
         # Signals the daemon starts with ignored, as a shell's background job (`&`: SIGINT,
-        # SIGQUIT) or nohup (SIGHUP) starts it: ignored dispositions survive exec.
+        # SIGQUIT) or nohup (SIGHUP) starts it, or blocked: both survive exec.
         self.ignored_signals = ignored_signals
+        self.blocked_signals = blocked_signals
         self.proc: subprocess.Popen[bytes] | None = None
         self._running: RunningDaemon | None = None
         self._log: BinaryIO | None = None
@@ -298,7 +305,11 @@ class DaemonProcess:
             stdout=self._log,
             stderr=self._log,
             env=env,
-            preexec_fn=functools.partial(_ignore_signals, self.ignored_signals) if self.ignored_signals else None,
+            preexec_fn=(
+                functools.partial(_set_start_signals, self.ignored_signals, self.blocked_signals)
+                if self.ignored_signals or self.blocked_signals
+                else None
+            ),
         )
         if not wait_ready:
             return None
@@ -380,12 +391,13 @@ async def running_daemon(
     wait_ready: bool = True,
     stop_timeout: float = STOP_TIMEOUT_S,
     ignored_signals: tuple[int, ...] = (),
+    blocked_signals: tuple[int, ...] = (),
 ) -> AsyncIterator[DaemonProcess]:
     """Start `python -m sandbox_supervisor.daemon serve` on `layout` and yield the process; on
     leaving, stop whichever run is current (SIGTERM; SIGKILL past `stop_timeout`). `env` is
-    added to the daemon's environment; `ignored_signals` are ignored when it starts. See the
-    module docstring."""
-    process = DaemonProcess(layout, env=env, ignored_signals=ignored_signals)
+    added to the daemon's environment; `ignored_signals` are ignored and `blocked_signals`
+    blocked when it starts. See the module docstring."""
+    process = DaemonProcess(layout, env=env, ignored_signals=ignored_signals, blocked_signals=blocked_signals)
     try:
         await process.start(wait_ready=wait_ready)
         yield process

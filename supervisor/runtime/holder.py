@@ -34,8 +34,9 @@ Where this differs from (or adds to) the shared design of issue 10:
 - `close_stdin` on a terminal writes the EOF character (there is no descriptor to close).
 - The timeout ends the process (and its group); once the process has exited, descendants
   holding the pipes are left to `terminate`, as today's lingering groups are.
-- The holder is in the session its starter created (not its leader): outside the daemon's
-  session and group, and unable to acquire a controlling terminal.
+- The holder is in a session of its own (it calls `setsid` in the forkserver's fork) or of
+  its launcher's making (`start_new_session`): outside the daemon's session and group, with no
+  controlling terminal (a pty's ends are opened `O_NOCTTY`).
 - control.sock is unlinked as the holder exits (no socket + exit.json = ended).
 
 Measured (`bench/run.py --only holder_launch`, 2 shared cores, Python 3.11): launch to
@@ -140,26 +141,31 @@ def _signal_name(signum: int) -> str:
 
 # --- spawning --------------------------------------------------------------------------------
 
-# Signals a parent may leave ignored: a shell starts a background job (`&`) with SIGINT and
-# SIGQUIT ignored, `nohup` with SIGHUP. An ignored signal stays ignored across fork and exec
-# (only caught ones are reset), so every command would inherit it, and bash may not undo it
-# (POSIX: a signal ignored on entry to a non-interactive shell cannot be trapped or reset):
-# `exec.signal` SIGINT and a Ctrl-C on a terminal would reach a command that ignores them.
-# SIGPIPE and SIGXFSZ are Python's own (put back in each child); SIGCHLD is each spawner's
-# own business (command_host.Spawner, holder_forkserver).
-INHERITED_SIGNALS = (
-    signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
-    signal.SIGALRM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU,
-)
+# Signals a parent may leave ignored or blocked: a shell starts a background job (`&`) with
+# SIGINT and SIGQUIT ignored, `nohup` with SIGHUP, and some process managers block signals.
+# Both survive fork and exec (only caught signals are reset), so every command would inherit
+# them, and bash may not undo an ignored one (POSIX: a signal ignored on entry to a
+# non-interactive shell cannot be trapped or reset): `exec.signal` SIGINT and a Ctrl-C on a
+# terminal would reach a command that ignores them. An ignored SIGCHLD would have the kernel
+# reap the host's and the holders' children before they can read an exit status. Kept as
+# they are: SIGPIPE and SIGXFSZ, which Python ignores on purpose (and puts back in each
+# child), and SIGKILL and SIGSTOP, which cannot be changed.
+_KEPT_SIGNALS = frozenset({signal.SIGPIPE, signal.SIGXFSZ, signal.SIGKILL, signal.SIGSTOP})
 
 
 def restore_inherited_signals() -> None:
-    """Give each of INHERITED_SIGNALS that this process started with ignored its default
-    disposition back, before it spawns any command: what a command starts with does not
-    depend on how the daemon was started."""
-    for signum in INHERITED_SIGNALS:
-        if signal.getsignal(signum) is signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
+    """Unblock every signal, and give every one this process started with ignored (but
+    _KEPT_SIGNALS) its default disposition back, before it spawns any command: what a
+    command starts with does not depend on how the daemon was started."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    for signum in signal.valid_signals():
+        if signum in _KEPT_SIGNALS:
+            continue
+        try:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # refused by this platform: left as it is
 
 
 class SpawnError(Exception):
