@@ -247,7 +247,6 @@ async def in_process_daemon(layout: DaemonLayout) -> AsyncIterator[RunningDaemon
         raise
 
 
-
 def _set_start_signals(ignored: tuple[int, ...], blocked: tuple[int, ...]) -> None:
     """In the daemon's child before its exec (a preexec_fn)."""
     for signum in ignored:

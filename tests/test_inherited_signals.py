@@ -6,7 +6,8 @@ SIGQUIT ignored, and nohup with SIGHUP ignored; some process managers block sign
 and blocked signals survive fork and exec, and bash cannot undo an ignored one it was started
 with. So unless the spawners put the defaults back (`holder.restore_inherited_signals`: the
 command host, each holder), every command would ignore `exec.signal` SIGINT and a terminal's
-Ctrl-C. The daemon here is started as users start it, with such signals ignored and blocked.
+Ctrl-C, and with SIGCHLD ignored the kernel would reap a command before its exit status is
+read. The daemon here is started as users start it, with such signals ignored and blocked.
 """
 
 from __future__ import annotations
