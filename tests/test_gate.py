@@ -249,7 +249,7 @@ async def test_rejected_upgrade_records_nothing(daemon):
     # The jti of the refused attempt was not burnt: the same token's jti is not in the cache.
     payload = token.split(".")[1]
     claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
-    assert not daemon.supervisor.store.jti_seen(claims["jti"], time.time())
+    assert not daemon.supervisor.store.upgrade_state(claims["jti"], time.time()).jti_seen
 
 
 # --- the assertion matrix, over the wire --------------------------------------------------

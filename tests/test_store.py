@@ -131,7 +131,7 @@ def test_record_upgrade_sets_fence_and_jti_together(store: StateStore) -> None:
     upgrade(store, 3, "attempt-a", "jti-1")
     snap = store.snapshot()
     assert (snap.fence_generation, snap.fence_attempt_id) == (3, "attempt-a")
-    assert store.jti_seen("jti-1", NOW)
+    assert store.upgrade_state("jti-1", NOW).jti_seen
 
 
 def test_replayed_jti_is_refused_and_changes_nothing(store: StateStore) -> None:
@@ -147,7 +147,7 @@ def test_replayed_jti_is_refused_after_reopen(state_dir: Path) -> None:
     with StateStore.open(state_dir) as store:
         upgrade(store, 1, "attempt-a", "jti-1")
     with StateStore.open(state_dir) as store:
-        assert store.jti_seen("jti-1", NOW + 1)
+        assert store.upgrade_state("jti-1", NOW + 1).jti_seen
         with pytest.raises(JtiReplayed):
             upgrade(store, 2, "attempt-b", "jti-1", now=NOW + 1)
 
@@ -155,7 +155,7 @@ def test_replayed_jti_is_refused_after_reopen(state_dir: Path) -> None:
 def test_expired_jti_is_forgotten(store: StateStore) -> None:
     upgrade(store, 1, "attempt-a", "jti-1")
     later = NOW + JTI_TTL
-    assert not store.jti_seen("jti-1", later)  # expires_at is exclusive
+    assert not store.upgrade_state("jti-1", later).jti_seen  # expires_at is exclusive
     # Past its expiry the jti is pruned and may be recorded again.
     upgrade(store, 2, "attempt-b", "jti-1", now=later)
     assert store.snapshot().fence_generation == 2
@@ -176,7 +176,7 @@ def test_same_attempt_retry_is_recorded_and_fence_never_regresses(store: StateSt
         upgrade(store, 5, "attempt-other", "jti-3")
     with pytest.raises(FenceRegressed):
         upgrade(store, 4, "attempt-z", "jti-4")
-    assert not store.jti_seen("jti-3", NOW) and not store.jti_seen("jti-4", NOW)
+    assert not store.upgrade_state("jti-3", NOW).jti_seen and not store.upgrade_state("jti-4", NOW).jti_seen
     snap = store.snapshot()
     assert (snap.fence_generation, snap.fence_attempt_id) == (5, "attempt-a")
 
@@ -499,7 +499,7 @@ def test_writes_survive_kill_9_of_the_writer(state_dir: Path) -> None:
         assert (snap.fence_generation, snap.fence_attempt_id) == (7, "attempt-7")
         assert snap.bound_session_id == "session-k"
         assert (snap.local_event_max, snap.ack_floor) == (3, 2)
-        assert store.jti_seen("jti-7", 1.7e9)
+        assert store.upgrade_state("jti-7", 1.7e9).jti_seen
         # All three were committed; the ack pruned what it covered, with the floor.
         assert [json.loads(f)["body"]["result"] for _, f in store.events_after(0, 10)] == [{"n": 2}]
 

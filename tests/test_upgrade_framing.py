@@ -134,7 +134,7 @@ async def test_an_upgrade_with_a_body_or_bare_lf_is_400_and_records_nothing(daem
     assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"] == "bad_request"
     store = daemon.supervisor.store
     assert store.snapshot().fence_generation == 0
-    assert not store.jti_seen(_jti(token), time.time())
+    assert not store.upgrade_state(_jti(token), time.time()).jti_seen
     # The same head, well framed, is admitted: the refusal was the framing's, nothing else.
     async with client.connect(generation=1):
         pass

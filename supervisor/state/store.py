@@ -815,17 +815,14 @@ class StateStore:
             ).fetchone()
         return int(row[0])
 
-    def jti_seen(self, jti: str, now: float) -> bool:
-        """True when `jti` is in the cache and not yet expired (expired rows are forgotten)."""
-        with self._transaction(write=False) as conn:
-            return _jti_seen_in(conn, jti, now)
-
     def upgrade_state(self, jti: str, now: float) -> UpgradeState:
         """The gate's facts in one read: the bound session, the local event max, the fence,
-        and whether `jti` was seen (`jti_seen`)."""
+        and whether `jti` is in the replay cache and not yet expired (`jti_seen`)."""
         with self._transaction(write=False) as conn:
             meta = _read_meta(conn, META_FENCE_GENERATION, META_FENCE_ATTEMPT_ID)
-            seen = _jti_seen_in(conn, jti, now)
+            seen = conn.execute(
+                "SELECT 1 FROM jti WHERE jti = ? AND expires_at > ?", (jti, now)
+            ).fetchone() is not None
             last_seq = self._last_seq_in(conn)
             bound = self._binding_in(conn)
         return UpgradeState(
@@ -1395,10 +1392,6 @@ class _Unread:
 
 
 _UNREAD = _Unread()
-
-
-def _jti_seen_in(conn: sqlite3.Connection, jti: str, now: float) -> bool:
-    return conn.execute("SELECT 1 FROM jti WHERE jti = ? AND expires_at > ?", (jti, now)).fetchone() is not None
 
 
 def _read_meta(conn: sqlite3.Connection, *keys: str) -> dict[str, str]:
