@@ -21,6 +21,7 @@ import trio
 from sandbox_supervisor.daemon.runtime import command_host, holder
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
+from sandbox_supervisor.daemon.runtime.spawner import Spawner
 from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, drain_and_reap, fast_only
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SST_PROBE": "a b\nc", "LC_ALL": "C"}
@@ -72,7 +73,7 @@ def collect(pid: int, outputs: dict[str, int]) -> tuple[str, str, int]:
     return stdout.decode(errors="surrogateescape"), stderr.decode(errors="surrogateescape"), os.waitstatus_to_exitcode(status)
 
 
-def fresh(spawner: command_host.Spawner, spec: HolderSpec) -> tuple[int, tuple[str, str, int]]:
+def fresh(spawner: Spawner, spec: HolderSpec) -> tuple[int, tuple[str, str, int]]:
     stdio = holder.open_stdio(spec)
     pid = spawner.spawn(spec, stdio)
     return pid, collect(pid, stdio.outputs)
@@ -381,7 +382,7 @@ def test_idle_shells_is_validated_and_reaches_the_host(tmp_path):
         assert "exec.idle_shells" in problems_of(excinfo)
     assert CommandHost(3).idle_shells == 3
     # The host sizes its pool from the request, bounded; 0 kills what it kept.
-    pool = command_host.ShellPool(command_host.Spawner())
+    pool = command_host.ShellPool(Spawner())
     try:
         pool.resize(command_host.MAX_IDLE_SHELLS + 5)
         assert pool.size == command_host.MAX_IDLE_SHELLS

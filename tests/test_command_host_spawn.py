@@ -1,4 +1,4 @@
-"""The command host's spawn (`command_host.Spawner`: Popen, with the cgroup and the OOM score
+"""The command host's spawn (`spawner.Spawner`: Popen, with the cgroup and the OOM score
 set on the host around it) against the spawn it replaced on the hot path (`holder.spawn`: a
 fork running Python code before exec). The same probe runs through both and must print the
 same: cwd, environment, ids, session and group, OOM score of the first child, cgroups,
@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from cgroup_support import cgroup1_unavailable, cgroup2_unavailable, private_cgroup2
-from sandbox_supervisor.daemon.runtime import cgroups, command_host, holder
+from sandbox_supervisor.daemon.runtime import cgroups, holder
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ, read_oom_score_adj
+from sandbox_supervisor.daemon.runtime.spawner import Spawner, popen_stage
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SST_PROBE": "a b\nc"}
 DEADLINE_S = 10
@@ -99,9 +100,9 @@ def refuse_the_old_spawn(spec: HolderSpec, stdio: holder.Stdio) -> int:
 
 
 @contextmanager
-def fast_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[command_host.Spawner]:
+def fast_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[Spawner]:
     """A Spawner that must not fall back: the new path is what is measured."""
-    spawner = command_host.Spawner()
+    spawner = Spawner()
     with monkeypatch.context() as patch:
         patch.setattr(holder, "spawn", refuse_the_old_spawn)
         yield spawner
@@ -219,7 +220,7 @@ NOBODY = 65534
 
 def stage_as_nobody(spawn_name: str, spec: HolderSpec) -> str:
     """`stage:errno` of a spawn by a process running as nobody (so that switching to root's
-    ids fails in the child), with `command_host.Spawner().spawn` or `holder.spawn`."""
+    ids fails in the child), with `Spawner().spawn` or `holder.spawn`."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through the pipe
@@ -229,7 +230,7 @@ def stage_as_nobody(spawn_name: str, spec: HolderSpec) -> str:
             os.setgroups([])
             os.setgid(NOBODY)
             os.setuid(NOBODY)
-            spawn = command_host.Spawner().spawn if spawn_name == "popen" else holder.spawn
+            spawn = Spawner().spawn if spawn_name == "popen" else holder.spawn
             stdio = holder.open_stdio(spec)
             try:
                 spawn(spec, stdio)
@@ -296,7 +297,7 @@ def test_outside_any_cgroup_hierarchy_it_spawns_the_old_way(tmp_path):
         )
         stdio = holder.open_stdio(spec)
         with pytest.raises(holder.SpawnError) as raised:
-            command_host.Spawner().spawn(spec, stdio)
+            Spawner().spawn(spec, stdio)
         for fd in stdio.outputs.values():
             os.close(fd)
     assert raised.value.stage == "cgroup"
@@ -327,7 +328,7 @@ def test_a_pids_max_of_one_still_runs_the_command(tmp_path):
             oom_score_adj=COMMAND_OOM_SCORE_ADJ, cgroup=str(directory),
         )
         before = own_state()
-        spawner = command_host.Spawner()
+        spawner = Spawner()
         stdio = holder.open_stdio(spec)
         try:
             pid = spawner.spawn(spec, stdio)
@@ -349,9 +350,9 @@ def test_a_refused_switch_of_ids_named_by_no_file_is_still_the_identity_stage():
     ids from the fork's own failure (review finding)."""
     with_ids = HolderSpec(argv=("/bin/true",), cwd="/", env=ENV, stdin="null", uid=65534, gid=65534)
     without = HolderSpec(argv=("/bin/true",), cwd="/", env=ENV, stdin="null")
-    assert command_host._popen_stage(OSError(errno.EPERM, "refused"), with_ids) == "identity"
-    assert command_host._popen_stage(OSError(errno.EAGAIN, "no process"), with_ids) == "fork"
-    assert command_host._popen_stage(OSError(errno.EPERM, "refused"), without) == "fork"
-    assert command_host._popen_stage(OSError(errno.EPERM, "refused", "/"), with_ids) == "identity"
-    assert command_host._popen_stage(OSError(errno.ENOENT, "gone", "/"), with_ids) == "cwd"
-    assert command_host._popen_stage(OSError(errno.ENOENT, "gone", "/bin/sh"), with_ids) == "exec"
+    assert popen_stage(OSError(errno.EPERM, "refused"), with_ids) == "identity"
+    assert popen_stage(OSError(errno.EAGAIN, "no process"), with_ids) == "fork"
+    assert popen_stage(OSError(errno.EPERM, "refused"), without) == "fork"
+    assert popen_stage(OSError(errno.EPERM, "refused", "/"), with_ids) == "identity"
+    assert popen_stage(OSError(errno.ENOENT, "gone", "/"), with_ids) == "cwd"
+    assert popen_stage(OSError(errno.ENOENT, "gone", "/bin/sh"), with_ids) == "exec"

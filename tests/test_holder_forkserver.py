@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,17 @@ async def test_many_holders_come_from_one_warm_server(starter, tmp_path):
     await wait_until(lambda: not zombie_children(server), "the ended holders reaped")
 
 
+def children(parent: int) -> list[int]:
+    """The live (non-zombie) processes whose parent is `parent`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = read_stat(int(entry))
+            if stat is not None and stat.ppid == parent and stat.state != "Z":
+                found.append(stat.pid)
+    return found
+
+
 def zombie_children(parent: int) -> list[int]:
     zombies = []
     for entry in os.listdir("/proc"):
@@ -112,6 +125,91 @@ async def test_a_forked_holder_has_only_the_standard_library_loaded(starter, tmp
     modules = json.loads(reply)["modules"]
     assert "sandbox_supervisor.daemon.runtime.holder" in modules
     assert not [m for m in modules if m.split(".")[0] in ("pydantic", "trio", "structlog", "pydantic_core")]
+
+
+async def spare_of(starter: HolderStarter, holders: set[int]) -> int:
+    """The server's one child that is no started holder: the spare, forked after its
+    last answer (waited for: the fork follows the answer)."""
+    server = starter._process.pid
+    found: list[int] = []
+
+    def one_spare() -> bool:
+        found[:] = [pid for pid in children(server) if pid not in holders]
+        return len(found) == 1
+
+    await wait_until(one_spare, "one spare holder")
+    return found[0]
+
+
+async def test_the_next_holder_is_forked_before_its_request(starter, tmp_path):
+    """A start hands its directory to a holder the server forked after the previous answer:
+    the holder of the second start was already running, in a session of its own, before
+    the request for it was written."""
+    first = await starter.launch(tmp_path / "s0", sh("sleep 30", stdin="null"))
+    starter.started.append(first.pgid)
+    spare = await spare_of(starter, {first.holder_pid})
+    waiting = read_stat(spare)
+    assert waiting is not None and waiting.session == spare != os.getsid(0)
+    assert not (tmp_path / "s1").exists()
+    second = await starter.launch(tmp_path / "s1", sh("echo second", stdin="null"))
+    assert second.holder_pid == spare
+    await wait_until(lambda: (tmp_path / "s1" / "exit.json").exists(), "the exit record")
+    assert (tmp_path / "s1" / "stdout").read_text() == "second\n"
+    assert read_exit(tmp_path / "s1").exit_code == 0
+    # And another spare waits for the next start.
+    assert await spare_of(starter, {first.holder_pid, spare}) != spare
+
+
+async def test_a_spare_that_died_is_replaced_and_the_start_goes_on(starter, tmp_path):
+    await starter.launch(tmp_path / "k0", sh("true", stdin="null"))
+    spare = await spare_of(starter, set())
+    os.kill(spare, signal.SIGKILL)
+    await wait_until(lambda: not alive(spare), "the spare's death")
+    info = await starter.launch(tmp_path / "k1", sh("echo on", stdin="null"))
+    assert info.holder_pid != spare
+    await wait_until(lambda: (tmp_path / "k1" / "exit.json").exists(), "the exit record")
+    assert (tmp_path / "k1" / "stdout").read_text() == "on\n"
+
+
+async def test_the_spare_ends_with_the_server_and_starts_nothing(starter, tmp_path):
+    """A daemon that dies closes the server's stdin; the server ends, and so does the
+    holder it had forked ahead, without a process or a file of its own."""
+    await starter.launch(tmp_path / "e0", sh("true", stdin="null"))
+    spare = await spare_of(starter, set())
+    before = sorted(os.listdir(tmp_path))
+    await starter.aclose()
+    await wait_until(lambda: not alive(spare), "the spare's end")
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_forked_holder_starts_its_process_by_the_spawner_not_a_python_child(tmp_path, monkeypatch):
+    """The fork server's holders start their process as the command host does
+    (spawner.Spawner: Popen), not by holder.spawn's fork running Python code. Run in this
+    process, where holder.spawn can be made to refuse: a holder that called it would report
+    `spawn_failed`."""
+    from sandbox_supervisor.daemon.runtime import holder, holder_forkserver
+    from sandbox_supervisor.daemon.runtime.holder_launch import write_spec
+    from sandbox_supervisor.daemon.runtime.holder_protocol import read_holder
+    from sandbox_supervisor.daemon.runtime.spawner import Spawner
+
+    def refuse(spec, stdio):
+        raise holder.SpawnError("exec", errno.EPERM)
+
+    monkeypatch.setattr(holder, "spawn", refuse)
+    directory = tmp_path / "p"
+    write_spec(directory, sh("echo popen", stdin="null"))
+    assert holder_forkserver.start_one(directory, None, Spawner()) == 0
+    info = read_holder(directory)
+    assert info is not None
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not (directory / "exit.json").exists():
+            assert time.monotonic() < deadline, "no exit record"
+            time.sleep(0.01)
+        assert (directory / "stdout").read_text() == "popen\n"
+        assert read_exit(directory).exit_code == 0
+    finally:
+        os.waitpid(info.holder_pid, 0)  # this process's child: the server would have ignored SIGCHLD
 
 
 async def test_a_dead_fork_server_is_replaced_at_the_next_launch(starter, tmp_path):

@@ -60,6 +60,7 @@ import sys
 import termios
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import NamedTuple, NoReturn
 
 from sandbox_supervisor.daemon.runtime.holder_protocol import (
@@ -293,6 +294,11 @@ def spawn(spec: HolderSpec, stdio: Stdio) -> int:
     return pid
 
 
+# How a holder starts its process: the pid once it exec'd, else SpawnError (the child's ends
+# of `stdio` closed either way).
+SpawnFunction = Callable[[HolderSpec, Stdio], int]
+
+
 # --- the holder ------------------------------------------------------------------------------
 
 
@@ -311,9 +317,10 @@ class Client:
 
 
 class Holder:
-    def __init__(self, directory: Path, spec: HolderSpec) -> None:
+    def __init__(self, directory: Path, spec: HolderSpec, spawn_process: SpawnFunction | None = None) -> None:
         self.directory = directory
         self.spec = spec
+        self.spawn_process: SpawnFunction = spawn if spawn_process is None else spawn_process
         self.selector = selectors.DefaultSelector()
         self.writers: dict[Stream, SpoolWriter] = {
             name: SpoolWriter(directory / name, spec.spool_max_bytes) for name in spec.streams
@@ -353,7 +360,7 @@ class Holder:
         stdio = open_stdio(self.spec)
         self.started = time.monotonic()
         try:
-            self.pid = spawn(self.spec, stdio)
+            self.pid = self.spawn_process(self.spec, stdio)
         except BaseException:
             for fd in [*stdio.outputs.values(), stdio.stdin]:
                 if fd is not None:
@@ -789,10 +796,22 @@ def _write_error(directory: Path, code: str, message: str) -> None:
     write_json_atomic(directory / HOLDER_FILE, {"error": {"code": code, "message": message}})
 
 
-def run_holder(directory: Path, ready_fd: int | None = None) -> int:
-    """Be the holder of the spec in `directory`; `ready_fd` is closed once holder.json exists."""
+def prepare_process() -> None:
+    """What a holder sets on itself before anything else, whatever its spec: its umask and
+    its signals (restore_inherited_signals). A spare holder does it while it waits."""
     os.umask(0o077)
     restore_inherited_signals()
+
+
+def run_holder(
+    directory: Path, ready_fd: int | None = None, spawn_process: SpawnFunction | None = None, *, prepared: bool = False
+) -> int:
+    """Be the holder of the spec in `directory`; `ready_fd` is closed once holder.json exists.
+    `spawn_process` starts the process (default `spawn`; the fork server passes its
+    `spawner.Spawner`'s, which this module cannot import: that module imports this one).
+    `prepared`: prepare_process has run already."""
+    if not prepared:
+        prepare_process()
     os.chdir(directory)  # the control socket is bound by a short relative name
     try:
         try:
@@ -801,7 +820,7 @@ def run_holder(directory: Path, ready_fd: int | None = None) -> int:
             _write_error(directory, BAD_SPEC, str(exc) if isinstance(exc, SpecError) else f"cannot read the spec: {exc}")
             return 1
         try:
-            holder = Holder(directory, spec)
+            holder = Holder(directory, spec, spawn_process)
             info = holder.start()
         except SpawnError as exc:
             _write_error(directory, SPAWN_FAILED, str(exc))

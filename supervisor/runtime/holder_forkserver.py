@@ -7,14 +7,29 @@ pipes), then writes one line per holder, the holder's directory (whose spec.json
 first), and reads one line back, `<status> <directory>`: 0 once holder.json is written, else
 the starter's failure status (holder.json then says why, or nothing was written).
 
-Each request forks the holder itself, which leaves the server's session (setsid), puts
-/dev/null on its standard descriptors (the pipes to the daemon must not reach a holder, or
-the daemon's death would not close them) and does what `python -m …holder <dir>` does once
-forked: it writes holder.json and closes a pipe the server waits on. The server ignores
-SIGCHLD, so the kernel reaps each holder as it ends and none is a zombie meanwhile; once the
-server ends, its holders are reparented and outlive it and the daemon alike. One fork per
-holder, not a starter that forks it (about 1.5 ms less per start, measured with `true`:
-7.2 → 5.7 ms from the request to holder.json).
+Each holder is forked *ahead* of its request, as a spare: it leaves the server's session
+(setsid), puts /dev/null on its standard descriptors (the pipes to the daemon must not reach
+a holder, or the daemon's death would not close them), gives the signals their defaults
+back, and waits on a pipe of its own for a directory. The request hands it one; it then does
+what `python -m …holder <dir>` does once forked: it writes holder.json and closes a pipe the
+server waits on. The server forks the next spare after answering, off the next start's path:
+a start no longer waits for a fork of this process and for the faults of its first
+instructions (the copies of the pages it writes), about 2 ms of the 5–6 ms from request to
+holder.json on this machine (bench/README.md). A spare that has died meanwhile is replaced
+before its request is handed over (the request reaches a live spare or a fresh fork, never
+nobody); once the server ends, its spare reads the end of its pipe and exits without
+starting anything.
+
+Each holder starts its process as the command host starts a command (`spawner.Spawner`:
+Popen, a vfork with no Python code before exec, with the cgroup and OOM score set on the
+holder around it), not by `holder.spawn`'s fork running Python code in the child: about
+1.5 ms less per start. The way back from a command's cgroups is proven by the server after it
+answers (`Spawner.prepare`), so the spares forked later inherit it.
+
+The server ignores SIGCHLD, so the kernel reaps each holder as it ends and none is a zombie
+meanwhile; once the server ends, its holders are reparented and outlive it and the daemon
+alike. One fork per holder, not a starter that forks it (about 1.5 ms less per start,
+measured with `true`: 7.2 → 5.7 ms from the request to holder.json).
 
 Requests are served one at a time (a start takes a few milliseconds here). The server ends
 when its stdin closes: a daemon that dies leaves no server behind, and the next one starts
@@ -23,31 +38,45 @@ its own. Standard library only, like the holder it forks (holder.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from sandbox_supervisor.daemon.runtime import holder
-from sandbox_supervisor.daemon.runtime.holder_protocol import HOLDER_FILE
+from sandbox_supervisor.daemon.runtime.holder_protocol import HOLDER_FILE, SPEC_FILE, SpecError, parse_spec
+from sandbox_supervisor.daemon.runtime.spawner import Spawner
 
-# Reported when the starter could not even be forked (no memory, a process limit).
+# Reported when no holder could be forked (no memory, a process limit).
 FORK_FAILED_STATUS = 71  # EX_OSERR
+# The longest directory line a spare reads (a path, well under PATH_MAX).
+MAX_REQUEST_BYTES = 8192
 
 
-def start_one(directory: Path) -> int:
-    """Fork the holder of `directory`; 0 once its holder.json is written, else 1 (holder.json
-    then says why, or nothing was written), or FORK_FAILED_STATUS."""
+class Spare(NamedTuple):
+    """A holder forked ahead of its request."""
+
+    pid: int
+    request: int  # write end: the directory, one line
+    ready: int  # read end: closed by the holder once holder.json is written, or by its end
+
+
+def fork_spare(spawner: Spawner) -> Spare | None:
+    """Fork a holder that waits for its directory; None when no fork can be made now."""
+    request_r, request_w = os.pipe()
     ready_r, ready_w = os.pipe()
     try:
         pid = os.fork()
     except OSError:
-        os.close(ready_r)
-        os.close(ready_w)
-        return FORK_FAILED_STATUS
+        for fd in (request_r, request_w, ready_r, ready_w):
+            os.close(fd)
+        return None
     if pid == 0:
         status = 1
         try:
+            os.close(request_w)
             os.close(ready_r)
             # The server ignores SIGCHLD (so the kernel reaps its holders); the holder waits
             # for its own process, which needs the default disposition back.
@@ -58,18 +87,83 @@ def start_one(directory: Path) -> int:
                 os.dup2(devnull, fd)
             if devnull > 2:
                 os.close(devnull)
-            status = holder.run_holder(directory, ready_w)
+            holder.prepare_process()
+            line = _read_request(request_r)
+            os.close(request_r)
+            if line is None:
+                status = 0  # the server ended (or replaced this spare): nothing to start
+            else:
+                status = holder.run_holder(Path(os.fsdecode(line)), ready_w, spawner.spawn, prepared=True)
         except BaseException:  # noqa: BLE001 - whatever happens, this fork must not return
             status = 1
         os._exit(status)
+    os.close(request_r)
     os.close(ready_w)
+    return Spare(pid, request_w, ready_r)
+
+
+def _read_request(fd: int) -> bytes | None:
+    """The spare's directory line; None at the end of the pipe without a whole line."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, MAX_REQUEST_BYTES)
+        if not chunk or len(data) + len(chunk) > MAX_REQUEST_BYTES:
+            return None
+        data += chunk
+    return data[:-1]
+
+
+def discard(spare: Spare) -> None:
+    """Close the server's ends: a spare still waiting reads the end and exits."""
+    for fd in (spare.request, spare.ready):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def hand_over(spare: Spare, directory: Path) -> int | None:
+    """Give `spare` its directory; 0 once its holder.json is written, else 1 (holder.json
+    then says why, or nothing was written). None when the spare had died before it could be
+    told (its pipe is broken): nothing of this request ran."""
+    try:
+        os.write(spare.request, os.fsencode(directory) + b"\n")  # atomic: under PIPE_BUF
+    except BrokenPipeError:
+        discard(spare)
+        return None
+    os.close(spare.request)
     try:
         # Closed by the holder once holder.json is written, or by its end.
-        while os.read(ready_r, 1):
+        while os.read(spare.ready, 1):
             pass
     finally:
-        os.close(ready_r)
+        os.close(spare.ready)
     return 0 if (directory / HOLDER_FILE).exists() else 1
+
+
+def start_one(directory: Path, spare: Spare | None, spawner: Spawner) -> int:
+    """Start the holder of `directory` by `spare`, or by a fresh fork when there is none or
+    it has died; the status to answer."""
+    for _ in range(2):  # the spare, then (if it was dead) one fresh fork
+        if spare is None:
+            spare = fork_spare(spawner)
+            if spare is None:
+                return FORK_FAILED_STATUS
+        status = hand_over(spare, directory)
+        if status is not None:
+            return status
+        spare = None
+    return FORK_FAILED_STATUS
+
+
+def learn_from(directory: Path, spawner: Spawner) -> None:
+    """Prove the way back from the cgroups of the spec just started, for the spares forked
+    from now on (`Spawner.prepare`); a spec that cannot be read is the holder's to report."""
+    try:
+        spec = parse_spec(json.loads((directory / SPEC_FILE).read_text(encoding="utf-8")))
+    except (OSError, ValueError, SpecError):
+        return
+    spawner.prepare(spec)
 
 
 def serve() -> int:
@@ -77,16 +171,24 @@ def serve() -> int:
     # Holders are this process's children until it ends; the kernel reaps them, so none
     # stays a zombie while the server runs.
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    spawner = Spawner()
+    spare = fork_spare(spawner)
     source = sys.stdin.buffer
     sink = sys.stdout.buffer
-    for raw in source:
-        line = raw.rstrip(b"\n")
-        if not line:
-            continue
-        directory = Path(os.fsdecode(line))
-        status = start_one(directory)
-        sink.write(b"%d %s\n" % (status, line))
-        sink.flush()
+    try:
+        for raw in source:
+            line = raw.rstrip(b"\n")
+            if not line:
+                continue
+            directory = Path(os.fsdecode(line))
+            status = start_one(directory, spare, spawner)
+            sink.write(b"%d %s\n" % (status, line))
+            sink.flush()
+            learn_from(directory, spawner)
+            spare = fork_spare(spawner)
+    finally:
+        if spare is not None:
+            discard(spare)
     return 0
 
 
