@@ -35,6 +35,7 @@ elif str(ROOT) not in sys.path:
 import trio  # noqa: E402
 
 from bench.common import Mode, Result, Skipped  # noqa: E402
+from bench.machine import cgroup_migration  # noqa: E402
 
 # In run order; each module has NAME, TARGET and `async def run(mode, workdir) -> Result`
 # (bench/README.md, "Targets", lists each row and its target).
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print(f"# code: {code_revision()}", flush=True)
+    print(f"# cgroup migration: {cgroup_migration()}", flush=True)
     print("# ratio: daemon time / floor time (lower is better), or daemon rate / floor rate (higher is better); "
           "against SWE-ReX: its time / the daemon's (higher is better); every floor and peer is measured in this run", flush=True)
     print(f"# {repeats} run(s) per benchmark" + (", the median reported" if repeats > 1 else ""), flush=True)
