@@ -102,17 +102,22 @@ class HolderLink:
         self._unsent = b""
 
     @classmethod
-    async def connect(cls, directory: Path) -> HolderLink:
+    def connect(cls, directory: Path) -> HolderLink:
         """Connect through a descriptor of the holder's directory: its socket's path may be
-        longer than a unix socket address holds."""
+        longer than a unix socket address holds. A unix socket's connect is done or refused
+        at once (a full backlog is `BlockingIOError`, an OSError like the others: the caller
+        asks again), so nothing here waits."""
         fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            stream = await trio.open_unix_socket(control_socket_path(fd))  # trio's connect
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+            try:
+                sock.connect(control_socket_path(fd))
+            except BaseException:
+                sock.close()
+                raise
         finally:
             os.close(fd)
-        connected = stream.socket
-        family, kind, proto = connected.family, connected.type, connected.proto
-        return cls(socket.socket(family, kind, proto, fileno=connected.detach()))
+        return cls(sock)
 
     async def request(self, line: bytes) -> Reply:
         try:

@@ -228,16 +228,24 @@ class ProcessHost:
             raise
         process = HeldProcess(record, directory, self.settings.output_limits(), cgroup=cgroup)
         self.processes[call.call_id] = process
-        self.nursery.start_soon(self._tend, process)
+        # Connected now, while exec.started goes out, rather than by the tending task once
+        # it runs: the holder accepts on the other core meanwhile, and the first output
+        # comes one scheduler pass sooner. A holder not accepting yet is asked by _tend.
+        try:
+            link: HolderLink | None = HolderLink.connect(directory)
+        except OSError:
+            link = None
+        self.nursery.start_soon(self._tend, process, link)
         return {"pid": record.pid, "pgid": record.pgid, "started_at": record.started_at, "pty": record.pty}
 
     # --- tending ------------------------------------------------------------------------
 
-    async def _tend(self, process: HeldProcess) -> None:
-        """Follow one process until its end is journaled and its holder is gone."""
-        link: HolderLink | None = None
+    async def _tend(self, process: HeldProcess, link: HolderLink | None = None) -> None:
+        """Follow one process until its end is journaled and its holder is gone (`link`: a
+        connection made already, by the start)."""
         try:
-            link = await self._connect(process)
+            if link is None:
+                link = await self._connect(process)
             process.link = link
         finally:
             process.linked.set()  # connected or not: a request waiting for it goes on (_ask)
@@ -272,7 +280,7 @@ class ProcessHost:
         with trio.move_on_after(HOLDER_CONNECT_PATIENCE_S):
             while True:
                 try:
-                    return await HolderLink.connect(process.directory)
+                    return HolderLink.connect(process.directory)
                 except OSError:
                     if not holder_alive(process.record):
                         return None
