@@ -66,9 +66,11 @@ MAX_REQUEST_BYTES = 8192
 # After an answer, how long the server waits before it forks the next spare, unless a request
 # comes first (that one gets a fresh fork). The start just answered still has its tail to run
 # on the same cores: the daemon journals it and connects, the holder answers, the process
-# prints its first output. A fork of this interpreter meanwhile delayed that output (process
-# start, 3 alternated runs: 3.91, 4.12, 4.30x at once against 3.31, 3.79, 3.62x after 8 ms).
-SPARE_DELAY_S = 0.01
+# prints its first output; a fork of this interpreter at once delays that output. Too long a
+# wait and a quick next start finds no spare. process_start, alternated runs (the ratio):
+# at once 4.02, 4.55, 4.67x; 3 ms 3.88, 4.12, 4.20x; 5 ms 3.51, 3.83, 4.40x; and in another
+# series 3 ms 2.96, 3.13, 3.63x, 10 ms 3.30, 3.81, 3.67x, 20 ms 3.88, 4.08, 4.02x.
+SPARE_DELAY_S = 0.005
 REQUEST_FD = 0  # stdin: the daemon's directory lines
 ANSWER_FD = 1  # stdout: the answers
 READ_CHUNK_BYTES = 4096
