@@ -247,3 +247,16 @@ async def test_a_server_that_does_not_answer_is_killed_at_the_deadline(tmp_path)
         await wait_until(lambda: not alive(server), "the wedged server's end")
     finally:
         await holders.aclose()
+
+
+def test_a_spares_warm_up_runs_clean_and_leaves_nothing_behind():
+    """The spare runs a holder's start on nothing before its request (holder.warm_up): it
+    must neither fail (warm_up would hide it, and the start would pay the faults again) nor
+    leave a descriptor, a file or a socket behind."""
+    from sandbox_supervisor.daemon.runtime import holder
+
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    root_before = sorted(os.listdir("/"))
+    holder._warm_up_steps()
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before
+    assert sorted(os.listdir("/")) == root_before

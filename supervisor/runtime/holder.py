@@ -803,6 +803,43 @@ def prepare_process() -> None:
     restore_inherited_signals()
 
 
+# What a spare's warm_up hands Holder and parse_spec: nothing of it is created or run.
+_WARM_UP_SPEC = HolderSpec(
+    argv=("/bin/sh", "-c", ":"), cwd="/", env={"PATH": "/usr/bin:/bin"}, cgroup="/", cgroup_also=("/",), stdin="pipe"
+)
+
+
+def warm_up() -> None:
+    """Run, on nothing, the code a holder's start runs, so that the pages it writes (reference
+    counts, caches, the allocator's) are this process's own before a start waits for them.
+
+    Why: a spare is a fork of the server, and every page of the server's that the start
+    writes is copied first, a page fault each (3–7 µs in this VM). A start made about 460 of
+    them, 1.5–2 ms of the holder's 5–6 ms; after this, about 75. Best effort: nothing here
+    is needed, so a failure leaves the spare as it was."""
+    try:
+        _warm_up_steps()
+    except Exception:  # noqa: BLE001 - a warm-up that fails costs only the faults it saved
+        pass
+
+
+def _warm_up_steps() -> None:
+    spec = parse_spec(json.loads(json.dumps(_WARM_UP_SPEC.to_json(), sort_keys=True)))
+    # "/" as the directory: its stream files are neither made nor looked for beyond an
+    # exists(), the socket is never bound, and nothing is written.
+    holder = Holder(Path("/"), spec)
+    holder.selector.close()
+    holder.listener.close()
+    holder._view.release()
+    holder._buffer.close()
+    stdio = open_stdio(spec)
+    for fd in {stdio.child_stdin, stdio.child_stdout, stdio.child_stderr, stdio.stdin, *stdio.outputs.values()}:
+        if fd is not None:
+            os.close(fd)
+    info = HolderInfo(os.getpid(), _start_ticks("self"), 0, 0, 0, _now_iso())
+    json.dumps(info.to_json(), sort_keys=True)
+
+
 def run_holder(
     directory: Path, ready_fd: int | None = None, spawn_process: SpawnFunction | None = None, *, prepared: bool = False
 ) -> int:

@@ -10,7 +10,8 @@ the starter's failure status (holder.json then says why, or nothing was written)
 Each holder is forked *ahead* of its request, as a spare: it leaves the server's session
 (setsid), puts /dev/null on its standard descriptors (the pipes to the daemon must not reach
 a holder, or the daemon's death would not close them), gives the signals their defaults
-back, and waits on a pipe of its own for a directory. The request hands it one; it then does
+back, runs a holder's start on nothing (`holder.warm_up`: the pages a start writes are
+copied now, not while a start waits), and waits on a pipe of its own for a directory. The request hands it one; it then does
 what `python -m …holder <dir>` does once forked: it writes holder.json and closes a pipe the
 server waits on. The server forks the next spare SPARE_DELAY_S after answering (a request
 that comes sooner gets a fresh fork), off the next start's path and out of the way of the tail
@@ -109,6 +110,7 @@ def fork_spare(spawner: Spawner) -> Spare | None:
             if devnull > 2:
                 os.close(devnull)
             holder.prepare_process()
+            holder.warm_up()
             line = _read_request(request_r)
             os.close(request_r)
             if line is None:
