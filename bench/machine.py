@@ -42,13 +42,15 @@ def _one_move(target: Path) -> float:
     """Fork a child that moves itself into `target`; the seconds its write took."""
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: one write, the time taken back, and out
+    if pid == 0:  # the child: one write, the time taken back (or its errno), and out
         try:
             started = time.perf_counter()
             fd = os.open(target / "cgroup.procs", os.O_WRONLY)
             os.write(fd, b"0")
             os.close(fd)
             os.write(write_end, repr(time.perf_counter() - started).encode())
+        except OSError as exc:
+            os.write(write_end, f"errno {exc.errno}".encode())
         finally:
             os._exit(0)
     os.close(write_end)
@@ -57,6 +59,8 @@ def _one_move(target: Path) -> float:
     finally:
         os.close(read_end)
         os.waitpid(pid, 0)
+    if answer.startswith(b"errno"):
+        raise OSError(int(answer.split()[1]), f"the move into {target} was refused")
     return float(answer)
 
 

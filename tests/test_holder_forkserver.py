@@ -150,7 +150,6 @@ async def test_the_next_holder_is_forked_before_its_request(starter, tmp_path):
     spare = await spare_of(starter, {first.holder_pid})
     waiting = read_stat(spare)
     assert waiting is not None and waiting.session == spare != os.getsid(0)
-    assert not (tmp_path / "s1").exists()
     second = await starter.launch(tmp_path / "s1", sh("echo second", stdin="null"))
     assert second.holder_pid == spare
     await wait_until(lambda: (tmp_path / "s1" / "exit.json").exists(), "the exit record")
@@ -161,8 +160,8 @@ async def test_the_next_holder_is_forked_before_its_request(starter, tmp_path):
 
 
 async def test_a_spare_that_died_is_replaced_and_the_start_goes_on(starter, tmp_path):
-    await starter.launch(tmp_path / "k0", sh("true", stdin="null"))
-    spare = await spare_of(starter, set())
+    first = await starter.launch(tmp_path / "k0", sh("true", stdin="null"))
+    spare = await spare_of(starter, {first.holder_pid})
     os.kill(spare, signal.SIGKILL)
     await wait_until(lambda: not alive(spare), "the spare's death")
     info = await starter.launch(tmp_path / "k1", sh("echo on", stdin="null"))
@@ -174,12 +173,11 @@ async def test_a_spare_that_died_is_replaced_and_the_start_goes_on(starter, tmp_
 async def test_the_spare_ends_with_the_server_and_starts_nothing(starter, tmp_path):
     """A daemon that dies closes the server's stdin; the server ends, and so does the
     holder it had forked ahead, without a process or a file of its own."""
-    await starter.launch(tmp_path / "e0", sh("true", stdin="null"))
-    spare = await spare_of(starter, set())
-    before = sorted(os.listdir(tmp_path))
+    first = await starter.launch(tmp_path / "e0", sh("true", stdin="null"))
+    spare = await spare_of(starter, {first.holder_pid})
+    assert children(spare) == []  # waiting: it has started nothing
     await starter.aclose()
     await wait_until(lambda: not alive(spare), "the spare's end")
-    assert sorted(os.listdir(tmp_path)) == before
 
 
 def test_a_forked_holder_starts_its_process_by_the_spawner_not_a_python_child(tmp_path, monkeypatch):
@@ -247,6 +245,45 @@ async def test_a_server_that_does_not_answer_is_killed_at_the_deadline(tmp_path)
         await wait_until(lambda: not alive(server), "the wedged server's end")
     finally:
         await holders.aclose()
+
+
+def test_a_daemon_that_dies_before_the_answer_ends_the_server_quietly(tmp_path):
+    """The daemon's end of the answers closes while a start is under way: the server cannot
+    answer, ends without a traceback, and the holder it started runs on."""
+    import subprocess
+    import sys
+
+    from sandbox_supervisor.daemon.runtime.holder_forkserver import __name__ as module
+    from sandbox_supervisor.daemon.runtime.holder_launch import write_spec
+    from sandbox_supervisor.daemon.runtime.holder_protocol import read_holder
+
+    directory = tmp_path / "gone"
+    write_spec(directory, sh("sleep 30", stdin="null"))
+    server = subprocess.Popen(
+        [sys.executable, "-I", "-m", module],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    info = None
+    try:
+        server.stdin.write(os.fsencode(directory) + b"\n")
+        server.stdin.flush()
+        server.stdout.close()  # the daemon is gone before the answer
+        deadline = time.monotonic() + DEADLINE_S
+        while (info := read_holder(directory)) is None:
+            assert time.monotonic() < deadline, "no holder.json"
+            time.sleep(0.01)
+        server.stdin.close()
+        assert server.wait(timeout=DEADLINE_S) == 0
+        assert server.stderr.read() == b""
+        assert alive(info.holder_pid) and alive(info.pid)
+    finally:
+        server.kill()
+        server.wait()
+        if info is not None:
+            os.killpg(info.pgid, signal.SIGKILL)
 
 
 def test_a_spares_warm_up_runs_clean_and_leaves_nothing_behind():

@@ -248,9 +248,13 @@ class HolderLink:
             self._reply_send.close()
 
     async def aclose(self) -> None:
+        self.close_now()
+        await trio.lowlevel.checkpoint()
+
+    def close_now(self) -> None:
+        """Close the socket without a checkpoint (aclose's first half)."""
         trio.lowlevel.notify_closing(self._sock)  # a task waiting on it gets ClosedResourceError
         self._sock.close()
-        await trio.lowlevel.checkpoint()
 
 
 @dataclass(eq=False)

@@ -59,8 +59,8 @@ import struct
 import sys
 import termios
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple, NoReturn
 
 from sandbox_supervisor.daemon.runtime.holder_protocol import (
@@ -294,8 +294,9 @@ def spawn(spec: HolderSpec, stdio: Stdio) -> int:
     return pid
 
 
-# How a holder starts its process: the pid once it exec'd, else SpawnError (the child's ends
-# of `stdio` closed either way).
+# How a holder starts its process: the pid once it exec'd; else SpawnError (the child's ends
+# of `stdio` closed), or OSError when no fork could be made (they may still be open: a holder
+# that fails so exits, which closes them).
 SpawnFunction = Callable[[HolderSpec, Stdio], int]
 
 
@@ -825,9 +826,10 @@ def warm_up() -> None:
 
 def _warm_up_steps() -> None:
     spec = parse_spec(json.loads(json.dumps(_WARM_UP_SPEC.to_json(), sort_keys=True)))
-    # "/" as the directory: its stream files are neither made nor looked for beyond an
-    # exists(), the socket is never bound, and nothing is written.
-    holder = Holder(Path("/"), spec)
+    # A directory that exists and never has a `stdout` or `stderr` entry (its names are
+    # descriptor numbers): the stream files are looked for, not made, the socket is never
+    # bound, and nothing is written.
+    holder = Holder(Path("/proc/self/fdinfo"), spec)
     holder.selector.close()
     holder.listener.close()
     holder._view.release()

@@ -23,10 +23,10 @@ nobody); once the server ends, its spare reads the end of its pipe and exits wit
 starting anything.
 
 Each holder starts its process as the command host starts a command (`spawner.Spawner`:
-Popen, a vfork with no Python code before exec, with the cgroup and OOM score set on the
-holder around it), not by `holder.spawn`'s fork running Python code in the child: about
-1.5 ms less per start. The way back from a command's cgroups is proven by the server after it
-answers (`Spawner.prepare`), so the spares forked later inherit it.
+Popen: a vfork, or with a command user a fork with a C child, and no Python code before
+exec; the cgroup and OOM score set on the holder around it), not by `holder.spawn`'s fork running Python code in the child: about
+1.5 ms less per start. The way back from a command's cgroups is proven by the server just
+before it forks the next spare (`Spawner.prepare`), so the spares forked later inherit it.
 
 The server ignores SIGCHLD, so the kernel reaps each holder as it ends and none is a zombie
 meanwhile; once the server ends, its holders are reparented and outlive it and the daemon
@@ -55,7 +55,6 @@ from sandbox_supervisor.daemon.runtime.holder_protocol import (
     SPEC_FILE,
     HolderProtocolError,
     LineSplitter,
-    SpecError,
     parse_spec,
 )
 from sandbox_supervisor.daemon.runtime.spawner import Spawner
@@ -64,13 +63,15 @@ from sandbox_supervisor.daemon.runtime.spawner import Spawner
 FORK_FAILED_STATUS = 71  # EX_OSERR
 # The longest directory line a spare reads (a path, well under PATH_MAX).
 MAX_REQUEST_BYTES = 8192
-# After an answer, how long the server waits before it forks the next spare, unless a request
-# comes first (that one gets a fresh fork). The start just answered still has its tail to run
-# on the same cores: the daemon journals it and connects, the holder answers, the process
-# prints its first output; a fork of this interpreter at once delays that output. Too long a
-# wait and a quick next start finds no spare. process_start, alternated runs (the ratio):
-# at once 4.02, 4.55, 4.67x; 3 ms 3.88, 4.12, 4.20x; 5 ms 3.51, 3.83, 4.40x; and in another
-# series 3 ms 2.96, 3.13, 3.63x, 10 ms 3.30, 3.81, 3.67x, 20 ms 3.88, 4.08, 4.02x.
+# After an answer, how long the server waits before it forks the next spare (and learns the
+# spec's cgroups), unless a request comes first (that one gets a fresh fork). The start just
+# answered still has its tail to run on the same cores: the daemon journals it and connects,
+# the holder answers, the process prints its first output; a fork of this interpreter at once
+# delays that output. Too long a wait and a quick next start finds no spare. process_start,
+# alternated runs (the ratio): at once 4.02, 4.55, 4.67x; 3 ms 3.88, 4.12, 4.20x; 5 ms 3.51,
+# 3.83, 4.40x; in another series 3 ms 2.96, 3.13, 3.63x, 10 ms 3.30, 3.81, 3.67x, 20 ms 3.88,
+# 4.08, 4.02x. Waiting at all, and not too long, is what shows; between 3 and 10 ms the
+# differences are within this machine's noise.
 SPARE_DELAY_S = 0.005
 REQUEST_FD = 0  # stdin: the daemon's directory lines
 ANSWER_FD = 1  # stdout: the answers
@@ -150,7 +151,9 @@ def hand_over(spare: Spare, directory: Path) -> int | None:
     then says why, or nothing was written). None when the spare had died before it could be
     told (its pipe is broken): nothing of this request ran."""
     try:
-        os.write(spare.request, os.fsencode(directory) + b"\n")  # atomic: under PIPE_BUF
+        # One write into an empty pipe; the spare reads up to the newline, so a path longer
+        # than PIPE_BUF arrives whole too. MAX_REQUEST_BYTES bounds it (serve's splitter).
+        os.write(spare.request, os.fsencode(directory) + b"\n")
     except BrokenPipeError:
         discard(spare)
         return None
@@ -184,9 +187,9 @@ def learn_from(directory: Path, spawner: Spawner) -> None:
     from now on (`Spawner.prepare`); a spec that cannot be read is the holder's to report."""
     try:
         spec = parse_spec(json.loads((directory / SPEC_FILE).read_text(encoding="utf-8")))
-    except (OSError, ValueError, SpecError):
+        spawner.prepare(spec)
+    except Exception:  # noqa: BLE001 - best effort: the next holder then proves it itself
         return
-    spawner.prepare(spec)
 
 
 def serve() -> int:
@@ -196,15 +199,23 @@ def serve() -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     spawner = Spawner()
     spare = fork_spare(spawner)
-    spare_due: float | None = None  # when to fork the next spare (None: there is one, or no request yet)
-    lines = LineSplitter()
+    # When to fork the next spare: None while there is one, before the first request, or
+    # after a fork that failed (the next request then forks its own).
+    spare_due: float | None = None
+    answered: Path | None = None  # the last start's directory, its cgroups not learnt yet
+    lines = LineSplitter(MAX_REQUEST_BYTES)
     ready: list[bytes] = []
     try:
         while True:
             if not ready:
                 timeout = None if spare_due is None else max(0.0, spare_due - time.monotonic())
                 if not select.select([REQUEST_FD], [], [], timeout)[0]:
-                    spare, spare_due = fork_spare(spawner), None  # quiet: fork it now
+                    # Quiet since the last answer: learn its cgroups, then fork the spare,
+                    # which inherits what was learnt.
+                    if answered is not None:
+                        learn_from(answered, spawner)
+                        answered = None
+                    spare, spare_due = fork_spare(spawner), None
                     continue
                 data = os.read(REQUEST_FD, READ_CHUNK_BYTES)
                 if not data:
@@ -215,9 +226,11 @@ def serve() -> int:
             directory = Path(os.fsdecode(line))
             status = start_one(directory, spare, spawner)
             spare = None
-            _write_all(ANSWER_FD, b"%d %s\n" % (status, line))
-            learn_from(directory, spawner)
-            spare_due = time.monotonic() + SPARE_DELAY_S
+            try:
+                _write_all(ANSWER_FD, b"%d %s\n" % (status, line))
+            except BrokenPipeError:
+                return 0  # the daemon died waiting: the holder runs on, as after any start
+            answered, spare_due = directory, time.monotonic() + SPARE_DELAY_S
     except HolderProtocolError:
         return 1  # a request line over the limit: the daemon's side is broken
     finally:
@@ -226,6 +239,7 @@ def serve() -> int:
 
 
 def _write_all(fd: int, data: bytes) -> None:
+    """os.write until all of `data` is written (a pipe may take part of a long line)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]

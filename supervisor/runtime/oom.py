@@ -4,12 +4,13 @@ The unit lowers the daemon's oom_score_adj (OOMScoreAdjust=, SUPERVISOR_OOM_SCOR
 child inherits that value at fork, so without a correction a runaway test suite the agent
 started would be shielded too, and the kernel would kill something else first. Commands
 therefore raise their own value to COMMAND_OOM_SCORE_ADJ before they exec the agent's command,
-the way E2B's envd does for the processes it starts: set in the child, before exec, so no
-grandchild can be forked with the protected value in between (`holder._child`, the holders'
-spawn; HolderSpec.oom_score_adj). The command host gets the same without code in the child:
-it sets the command's value on itself around the spawn, so the child inherits it at fork
-(`command_host.Spawner`), and restores its own right after: lowering it back to the value it
-inherited is allowed (below).
+the way E2B's envd does for the processes it starts, before exec, so no grandchild can be
+forked with the protected value in between (HolderSpec.oom_score_adj). The command host and
+the holders of the fork server do it without code in the child (`spawner.Spawner`): each sets
+the command's value on itself around the spawn, so the child inherits it at fork, and
+restores its own right after: lowering it back to the value it inherited is allowed (below).
+Where that spawn cannot be used (a terminal; a holder started by `launch_holder`) the child
+of `holder.spawn` writes the value itself (`holder._child`).
 
 Raising one's own oom_score_adj needs no privilege. (Lowering it again down to the inherited
 minimum is also allowed, so this keeps accidents off the daemon; it is not a defence against

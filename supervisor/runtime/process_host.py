@@ -235,7 +235,12 @@ class ProcessHost:
             link: HolderLink | None = HolderLink.connect(directory)
         except OSError:
             link = None
-        self.nursery.start_soon(self._tend, process, link)
+        try:
+            self.nursery.start_soon(self._tend, process, link)
+        except BaseException:
+            if link is not None:
+                link.close_now()  # nobody else will: the task that would have is not started
+            raise
         return {"pid": record.pid, "pgid": record.pgid, "started_at": record.started_at, "pty": record.pty}
 
     # --- tending ------------------------------------------------------------------------
