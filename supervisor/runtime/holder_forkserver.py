@@ -8,30 +8,31 @@ first), and reads one line back, `<status> <directory>`: 0 once holder.json is w
 the starter's failure status (holder.json then says why, or nothing was written).
 
 Each holder is forked *ahead* of its request, as a spare: it leaves the server's session
-(setsid), puts /dev/null on its standard descriptors (the pipes to the daemon must not reach
-a holder, or the daemon's death would not close them), gives the signals their defaults
-back, runs a holder's start on nothing (`holder.warm_up`: the pages a start writes are
-copied now, not while a start waits), and waits on a pipe of its own for a directory. The request hands it one; it then does
-what `python -m …holder <dir>` does once forked: it writes holder.json and closes a pipe the
-server waits on. The server forks the next spare SPARE_DELAY_S after answering (a request
-that comes sooner gets a fresh fork), off the next start's path and out of the way of the tail
-of the start it answered: a start no longer waits for a fork of this process and for the
-faults of its first instructions (the copies of the pages it writes), about 2 ms of the 5–6 ms
-from request to holder.json on this machine (bench/README.md). A spare that has died meanwhile is replaced
-before its request is handed over (the request reaches a live spare or a fresh fork, never
-nobody); once the server ends, its spare reads the end of its pipe and exits without
-starting anything.
+(setsid), puts /dev/null on its standard descriptors (the pipes to the daemon must not reach a
+holder, or the daemon's death would not close them), gives the signals their defaults back,
+runs a holder's start on nothing (`holder.warm_up`: the pages a start writes are copied now,
+not while a start waits), and waits on a pipe of its own for a directory. The request hands it
+one; it then does what `python -m …holder <dir>` does once forked: it writes holder.json and
+closes a pipe the server waits on. The server forks the next spare SPARE_DELAY_S after
+answering (a request that comes sooner gets a fresh fork), off the next start's path and out of
+the way of the tail of the start it answered: a start no longer waits for a fork of this
+process and for the faults of its first instructions (the copies of the pages it writes), about
+2 ms of the 5–6 ms from request to holder.json on this machine (bench/README.md). A spare that
+has died meanwhile is replaced before its request is handed over (the request reaches a live
+spare or a fresh fork, never nobody); once the server ends, its spare reads the end of its pipe
+and exits without starting anything.
 
-Each holder starts its process as the command host starts a command (`spawner.Spawner`:
-Popen: a vfork, or with a command user a fork with a C child, and no Python code before
-exec; the cgroup and OOM score set on the holder around it), not by `holder.spawn`'s fork running Python code in the child: about
-1.5 ms less per start. The way back from a command's cgroups is proven by the server just
-before it forks the next spare (`Spawner.prepare`), so the spares forked later inherit it.
+Each holder starts its process as the command host starts a command (`spawner.Spawner`: Popen:
+a vfork, or with a command user a fork with a C child, and no Python code before exec; the
+cgroup and OOM score set on the holder around it), not by `holder.spawn`'s fork running Python
+code in the child: about 1.5 ms less per start. The way back from a command's cgroups is proven
+by the server just before it forks the next spare (`Spawner.prepare`), so the spares forked
+later inherit it.
 
 The server ignores SIGCHLD, so the kernel reaps each holder as it ends and none is a zombie
 meanwhile; once the server ends, its holders are reparented and outlive it and the daemon
-alike. One fork per holder, not a starter that forks it (about 1.5 ms less per start,
-measured with `true`: 7.2 → 5.7 ms from the request to holder.json).
+alike. One fork per holder, not a starter that forks it (about 1.5 ms less per start, measured
+with `true`: 7.2 → 5.7 ms from the request to holder.json).
 
 Requests are served one at a time (a start takes a few milliseconds here). The server ends
 when its stdin closes: a daemon that dies leaves no server behind, and the next one starts
