@@ -24,12 +24,9 @@ SAMPLES = 5
 CGROUP_MOUNTS = Path("/proc/self/mounts")
 
 
-def _writable_hierarchy() -> Path | None:
+def _writable_hierarchy(mounts_text: str) -> Path | None:
     """A cgroup v2 mount, else the v1 freezer's (the daemon's own choice of hierarchy)."""
-    try:
-        mounts = [line.split() for line in CGROUP_MOUNTS.read_text().splitlines()]
-    except OSError:
-        return None
+    mounts = [line.split() for line in mounts_text.splitlines()]
     v2 = [Path(m[1]) for m in mounts if len(m) > 3 and m[2] == "cgroup2"]
     v1 = [Path(m[1]) for m in mounts if len(m) > 3 and m[2] == "cgroup" and "freezer" in m[3].split(",")]
     for candidate in (*v2, *v1):
@@ -67,7 +64,11 @@ def _one_move(target: Path) -> float:
 def cgroup_migration() -> str:
     """The header line's text: the median of SAMPLES moves, each after PAUSE_S, and whether a
     hierarchy is mounted with favordynmods; or why nothing was measured."""
-    hierarchy = _writable_hierarchy()
+    try:
+        mounts_text = CGROUP_MOUNTS.read_text()
+    except OSError:
+        mounts_text = ""
+    hierarchy = _writable_hierarchy(mounts_text)
     if hierarchy is None:
         return "not measured (no writable cgroup hierarchy)"
     target = hierarchy / f"supervisor-bench-migration-{os.getpid()}"
@@ -87,8 +88,7 @@ def cgroup_migration() -> str:
             target.rmdir()
         except OSError:
             pass  # the last child is reaped: empty once the kernel has noticed; left otherwise
-    options = CGROUP_MOUNTS.read_text() if CGROUP_MOUNTS.exists() else ""
-    favoured = "favordynmods" in options
+    favoured = "favordynmods" in mounts_text
     return (
         f"{statistics.median(moves) * 1000:.2f} ms after {PAUSE_S * 1000:.0f} ms of quiet "
         f"(median of {SAMPLES}, {hierarchy}); favordynmods {'mounted' if favoured else 'not mounted'}"

@@ -203,7 +203,7 @@ def serve() -> int:
     # When to fork the next spare: None while there is one, before the first request, or
     # after a fork that failed (the next request then forks its own).
     spare_due: float | None = None
-    answered: Path | None = None  # the last start's directory, its cgroups not learnt yet
+    answered: Path | None = None  # a start whose cgroups are to be learnt (until one is)
     lines = LineSplitter(MAX_REQUEST_BYTES)
     ready: list[bytes] = []
     try:
@@ -231,7 +231,11 @@ def serve() -> int:
                 _write_all(ANSWER_FD, b"%d %s\n" % (status, line))
             except BrokenPipeError:
                 return 0  # the daemon died waiting: the holder runs on, as after any start
-            answered, spare_due = directory, time.monotonic() + SPARE_DELAY_S
+            # A daemon's cgroup hierarchies are fixed for its life (and the server's): once
+            # one spec's way back is proven, later specs have nothing new to teach.
+            if not spawner.homes:
+                answered = directory
+            spare_due = time.monotonic() + SPARE_DELAY_S
     except HolderProtocolError:
         return 1  # a request line over the limit: the daemon's side is broken
     finally:
