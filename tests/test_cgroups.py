@@ -4,7 +4,9 @@ a real daemon. Skips name the facility this machine lacks (tests/cgroup_support.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -37,13 +39,15 @@ from sandbox_supervisor.daemon.runtime.cgroups import (
     parse_mountinfo,
     parse_proc_cgroup,
 )
+from sandbox_supervisor.daemon.runtime.command_host import POOL_UNDERSCORE_VARIABLE
 from sandbox_supervisor.daemon.runtime.process_group import ProcessGroup
 from sandbox_supervisor.daemon.runtime.processes import read_stat
+from sandbox_supervisor.daemon.runtime.ready_cgroups import READY_PREFIX, READY_TARGET, ReadyCgroups
 from sandbox_supervisor.daemon.runtime.recovery import kill_leftover_groups
 from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
 from sandbox_supervisor.daemon.runtime.tool import RunningCall
 from sandbox_supervisor.daemon.state.journal import Journal
-from sandbox_supervisor.daemon.state.store import StateStore
+from sandbox_supervisor.daemon.state.store import RecordedProcess, StateStore
 from sandbox_supervisor.testing.client import http_request
 from sandbox_supervisor.testing.authority import LoopbackAuthority
 from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout
@@ -315,6 +319,11 @@ def mode_cgroups(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[cgr
             groups.close()
 
 
+def command_cgroups(groups: cgroups.Cgroups) -> list[cgroups.CommandCgroup]:
+    """The cgroups under the daemon's bases, less those made ahead (runtime/ready_cgroups.py)."""
+    return [cgroup for cgroup in groups.existing() if not cgroup.name.startswith(READY_PREFIX)]
+
+
 def parametrize_modes(func: Any) -> Any:
     return pytest.mark.parametrize("mode_cgroups", MODES, indirect=True)(func)
 
@@ -346,7 +355,7 @@ async def test_a_setsid_child_dies_on_timeout(store, tmp_path, mode_cgroups):
         with trio.fail_after(DEADLINE_S):
             while rig.shell.commands:
                 await trio.sleep(POLL_S)
-        assert mode_cgroups.existing() == []
+        assert command_cgroups(mode_cgroups) == []
 
 
 @parametrize_modes
@@ -416,7 +425,7 @@ async def test_background_output_after_exit_still_arrives_and_the_cgroup_lingers
                 await trio.sleep(POLL_S)
         spooled = (store.path.parent / "spool" / call_id / "stdout").read_bytes()
         assert spooled == b"early\nlate\n"
-        assert mode_cgroups.existing() == []
+        assert command_cgroups(mode_cgroups) == []
 
 
 @parametrize_modes
@@ -525,6 +534,63 @@ async def test_the_daemon_reports_its_mode_and_a_stop_ends_escaped_children(tmp_
     assert started[0]["pids_max"] == health["isolation"]["pidsMax"]
 
 
+def membership_path(cgroup_text: str, mode: str) -> str:
+    """The path of the hierarchy a mode keeps membership in, from a /proc/PID/cgroup."""
+    parsed = cgroups.parse_proc_cgroup(cgroup_text)
+    path = parsed.unified if mode == "cgroup2" else parsed.v1.get(cgroups.V1_FREEZER)
+    assert path is not None, cgroup_text
+    return path
+
+
+async def idle_shell_placed_ahead(base: str, mode: str) -> tuple[int, str]:
+    """The pid and /proc/PID/cgroup of this test's command host's idle shell, once it waits
+    in a cgroup made ahead below `base` (the daemon's base name)."""
+    with trio.fail_after(DEADLINE_S):
+        while True:
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    cmdline = (entry / "cmdline").read_bytes()
+                    stat = read_stat(int(entry.name))
+                    text = (entry / "cgroup").read_text()
+                except (OSError, ValueError):
+                    continue
+                if stat is None or POOL_UNDERSCORE_VARIABLE.encode() not in cmdline:
+                    continue
+                host = read_stat(stat.ppid)
+                if host is None or host.ppid != os.getpid():  # the in-process daemon's host
+                    continue
+                path = membership_path(text, mode)
+                if f"/{base}/{READY_PREFIX}" in path:
+                    return int(entry.name), text
+            await trio.sleep(POLL_S)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_pooled_call_runs_in_the_cgroup_its_shell_waited_in(tmp_path, authority, mode):
+    """runtime/ready_cgroups.py end to end: once a spawn request offered a cgroup made ahead,
+    the host's next idle shell waits in it, and the next call runs in that shell there: no
+    cgroup is made or moved into on the call's path."""
+    with layout_in_mode(tmp_path, authority, mode) as layout:
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                # The first call starts the making; the second takes one made ahead and
+                # offers the next to the host, whose refilled shell then waits in it.
+                for key in ("k1", "k2"):
+                    warm = await session.call_and_wait("execute_shell_command", {"command": "true"}, idempotency_key=key)
+                    assert warm["ok"], warm
+                pid, waited_in = await idle_shell_placed_ahead(cgroups.base_name(layout.state_dir), mode)
+                answer = await session.call_and_wait(
+                    "execute_shell_command", {"command": "echo $$; cat /proc/self/cgroup"}, idempotency_key="k3"
+                )
+    assert answer["ok"], answer
+    shell_pid, *lines = answer["result"]["stdout"]["head"].splitlines()
+    assert int(shell_pid) == pid
+    assert "\n".join(lines) == waited_in.strip()
+
+
 @needs_cgroup2
 async def test_a_configured_cgroup_root_that_is_not_one_stops_the_start(tmp_path, authority):
     from sandbox_supervisor.daemon.app import StartupError
@@ -557,10 +623,83 @@ def daemon_bases(mode: str, layout: DaemonLayout) -> list[Path]:
     return [Path(parent) / name for parent in auto_mode().v1_parents.values() if (Path(parent) / name).is_dir()]
 
 
+@parametrize_modes
+async def test_a_restart_keeps_a_running_commands_cgroup_made_ahead_by_its_recorded_name(store, tmp_path, mode_cgroups):
+    """A command still running under its command host is kept by the name its process record
+    gives its cgroup (a `ready-*` one is not named after the call); a `ready-*` cgroup the
+    previous host left an idle shell in is a leftover like any other."""
+    kept = mode_cgroups.create(READY_PREFIX + "kept")
+    left = mode_cgroups.create(READY_PREFIX + "left")
+    running = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    idle = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        kept.add(running.pid)
+        left.add(idle.pid)
+        call_id = "5ac17de4-a7f9-4f53-8caa-8d5f9e8dd376"
+        keep = {call_id: RecordedProcess(call_id, running.pid, running.pid, 0, kept.name)}
+        again = cgroups.detect("auto", mode_cgroups.plan.v2_root, tmp_path / "state")
+        assert kill_leftover_groups(store, store.path.parent, again, keep=keep) == 1
+        assert idle.wait(timeout=DEADLINE_S) == -9
+        assert running.poll() is None
+        assert [cgroup.name for cgroup in again.existing()] == [kept.name]
+    finally:
+        for process in (running, idle):
+            kill_quietly(process.pid)
+            process.wait()
+
+
+@parametrize_modes
+async def test_cgroups_made_ahead_go_to_pooled_calls_when_offered_and_are_skipped_once_removed(mode_cgroups):
+    async with trio.open_nursery() as nursery:
+        ready = ReadyCgroups(mode_cgroups, nursery)
+        assert ready.take(pooled=True) is None  # none yet: the call makes its own, the making starts
+        with trio.fail_after(DEADLINE_S):
+            while ready.ready < READY_TARGET:
+                await trio.sleep(POLL_S)
+        made = [cgroup.name for cgroup in mode_cgroups.existing()]
+        assert len(made) == READY_TARGET and all(name.startswith(READY_PREFIX) for name in made)
+        offered = ready.offer(1)
+        assert len(offered) == 1 and ready.offer(1) == []  # as many on offer as the host has shells
+        plain = ready.take(pooled=False)
+        assert plain is not None and plain != offered[0]  # a command no idle shell runs: never one on offer
+        assert ready.take(pooled=True) == offered[0]
+        for cgroup in [c for c in mode_cgroups.existing() if c not in (plain, offered[0])]:
+            assert cgroup.remove()  # root's clean-up of empty cgroups, from outside
+        assert ready.take(pooled=False) is None  # the removed ones are not handed out
+
+
+@parametrize_modes
+async def test_a_refusal_to_make_cgroups_ahead_is_retried_only_after_a_pause(mode_cgroups, monkeypatch, log_lines):
+    attempts: list[str] = []
+
+    def refuse(name: str) -> cgroups.CommandCgroup:
+        attempts.append(name)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(mode_cgroups, "create", refuse)
+    async with trio.open_nursery() as nursery:
+        ready = ReadyCgroups(mode_cgroups, nursery)
+        assert ready.take(pooled=False) is None
+        with trio.fail_after(DEADLINE_S):
+            while not attempts or ready._refilling:
+                await trio.sleep(POLL_S)
+        for _ in range(10):
+            assert ready.take(pooled=False) is None
+            assert not ready._refilling  # no new attempt (a thread and a log line) per command
+    assert len(attempts) == 1
+    refused = [line for line in log_lines() if line["event"] == "cgroup.ready_refused"]
+    assert len(refused) == 1 and refused[0]["made"] == 0
+
+
 async def wait_childless(bases: list[Path]) -> None:
-    """Until the last command's cgroup is gone (removed once its command ended)."""
+    """Until the last command's cgroup is gone (removed once its command ended), and the
+    cgroups made ahead are all there (runtime/ready_cgroups.py: made by a worker thread)."""
     with trio.fail_after(DEADLINE_S):
-        while any(child.is_dir() for base in bases for child in base.iterdir()):
+        while True:
+            children = [child.name for base in bases for child in base.iterdir() if child.is_dir()]
+            made_ahead = [name for name in children if name.startswith(READY_PREFIX)]
+            if len(made_ahead) == READY_TARGET * len(bases) and len(children) == len(made_ahead):
+                return
             await trio.sleep(POLL_S)
 
 
@@ -595,28 +734,35 @@ async def test_a_base_removed_from_outside_between_commands_is_made_again(tmp_pa
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_command_cgroup_removed_before_the_join_is_made_again(tmp_path, authority, log_lines, monkeypatch, mode):
-    """The same clean-up between the command cgroup's mkdir and the host's join (forced here
-    by running it right before the spawn request): the host's child fails at its `cgroup`
+    """The same clean-up between the command cgroup's making and the host's join (forced
+    here by running it right before the spawn request, once the cgroups made ahead are
+    there: the second command's is one of them): the host's child fails at its `cgroup`
     stage, before exec, so the command is spawned again in a fresh cgroup, once."""
     original = ProcessGroup.hosted.__func__  # type: ignore[attr-defined]
     removed: list[str] = []
+    armed = [False]
 
-    async def hosted(cls, host, call_id, directory, spec, cgroup=None):  # type: ignore[no-untyped-def]
-        if not removed and cgroup is not None:
-            removed.append(call_id)
+    async def hosted(cls, host, call_id, directory, spec, cgroup=None, place=()):  # type: ignore[no-untyped-def]
+        if armed[0] and not removed and cgroup is not None:
+            removed.append(cgroup.name)
             remove_empty({Path(d).parent for d in cgroup.directories()})  # its cgroup, then the base
             assert not Path(cgroup.membership).exists()
-        return await original(cls, host, call_id, directory, spec, cgroup)
+        return await original(cls, host, call_id, directory, spec, cgroup, place)
 
     monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
     with layout_in_mode(tmp_path, authority, mode) as layout:
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
+                first = await session.call_and_wait("execute_shell_command", {"command": "true"}, idempotency_key="k0")
+                assert first["ok"], first
+                await wait_childless(daemon_bases(mode, layout))
+                armed[0] = True
                 answer = await session.call_and_wait(
                     "execute_shell_command", {"command": "cat /proc/self/cgroup"}, idempotency_key="k1"
                 )
     assert removed, "the clean-up never ran"
+    assert removed[0].startswith(READY_PREFIX), removed  # the cgroup made ahead was the one removed
     assert answer["ok"], answer
     assert answer["result"]["exit_code"] == 0
     assert cgroups.base_name(layout.state_dir) in json.dumps(answer["result"]["stdout"]), answer
@@ -634,10 +780,10 @@ async def test_a_cgroup_removed_on_every_attempt_frees_the_key(tmp_path, authori
     original = ProcessGroup.hosted.__func__  # type: ignore[attr-defined]
     removing = [True]
 
-    async def hosted(cls, host, call_id, directory, spec, cgroup=None):  # type: ignore[no-untyped-def]
+    async def hosted(cls, host, call_id, directory, spec, cgroup=None, place=()):  # type: ignore[no-untyped-def]
         if removing[0] and cgroup is not None:
             remove_empty({Path(d).parent for d in cgroup.directories()})
-        return await original(cls, host, call_id, directory, spec, cgroup)
+        return await original(cls, host, call_id, directory, spec, cgroup, place)
 
     monkeypatch.setattr(ProcessGroup, "hosted", classmethod(hosted))
     with layout_in_mode(tmp_path, authority, mode) as layout:

@@ -83,7 +83,7 @@ async def test_a_bug_while_completing_an_adopted_call_does_not_stop_the_daemon(t
     from sandbox_supervisor.daemon.runtime.shell import ShellRuntime
     from sandbox_supervisor.daemon.runtime.tool import RecoveryEnv
     from sandbox_supervisor.daemon.state.journal import Journal
-    from sandbox_supervisor.daemon.state.store import CallRecord, StateStore
+    from sandbox_supervisor.daemon.state.store import CallRecord, RecordedProcess, StateStore
 
     from shell_support import rig_settings
 
@@ -102,7 +102,8 @@ async def test_a_bug_while_completing_an_adopted_call_does_not_stop_the_daemon(t
             async with trio.open_nursery() as nursery:
                 shell = ShellRuntime(rig_settings(tmp_path / "state"), store, Journal(store), nursery)
                 # pid 2**22 + 1 is beyond any pid: its command is gone at once.
-                adoption.adopt(Adopted(record, 2**22 + 1, 2**22 + 1, 1), RecoveryEnv(store, tmp_path / "state"), Journal(store), shell)
+                gone = RecordedProcess(record.call_id, 2**22 + 1, 2**22 + 1, 1, record.call_id)
+                adoption.adopt(Adopted(record, gone), RecoveryEnv(store, tmp_path / "state"), Journal(store), shell)
                 assert "gone-call" in shell.adopted
             assert shell.adopted == {}  # released, and the nursery ended without an error
     finally:

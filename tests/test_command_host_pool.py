@@ -11,6 +11,7 @@ import os
 import pwd
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ import trio
 from sandbox_supervisor.daemon.runtime import command_host, holder
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
+from sandbox_supervisor.daemon.runtime.shell import in_cgroup
 from sandbox_supervisor.daemon.runtime.spawner import Spawner
 from test_command_host_spawn import DEADLINE_S, cgroup_modes, command_cgroups, drain_and_reap, fast_only
 
@@ -217,6 +219,128 @@ def test_the_shell_is_started_before_the_call_and_its_start_time_says_so(tmp_pat
         finally:
             pool.clear()
     assert (stdout, code) == (f"{waiting.pid}\n", 0)
+
+
+CGROUP_MODES = [mode for mode in cgroup_modes() if getattr(mode, "values", None) != ("none",)]
+
+
+def refuse_moves(procs: str, pid: int) -> None:
+    raise AssertionError(f"moved {pid} into {procs} on the call's path")
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_an_idle_shell_waits_in_the_cgroup_on_offer_and_its_call_moves_nothing(tmp_path, monkeypatch, mode):
+    """runtime/ready_cgroups.py: a cgroup offered with a spawn request gets the next idle
+    shell before any call, and the call whose cgroup it is takes that shell as it is."""
+    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
+        assert groups is not None
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            ahead = groups.create("ready-ahead")
+            spec = spec_for("cat /proc/self/cgroup", tmp_path, ahead)
+            pool.refill(spec)
+            pool.offer([ahead.joined_in_order()])
+            assert pool.placing
+            pool.place_waiting()
+            waiting = pool.idle[0]
+            assert not pool.placing and waiting.placed == ahead.joined_in_order()
+            assert ahead.pids() == [waiting.pid]  # in it before the call, and alone
+            with monkeypatch.context() as patch:
+                patch.setattr(command_host, "_move", refuse_moves)
+                shell = pool.take(spec)
+            assert shell is not None and shell.pid == waiting.pid
+            stdout, _, code = collect(shell.pid, shell.outputs)
+        finally:
+            pool.clear()
+    assert code == 0
+    assert "/ready-ahead\n" in stdout
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_a_shell_waiting_elsewhere_is_moved_and_its_cgroup_offered_again(tmp_path, monkeypatch, mode):
+    """The call's cgroup holds no shell (the daemon took another than the host filled): the
+    idle shell is moved in at the call, as without cgroups made ahead, and the cgroup it
+    left waits for the next shell."""
+    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
+        assert groups is not None
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            ahead, other = groups.create("ready-one"), groups.create("ready-two")
+            spec = spec_for("true", tmp_path)
+            pool.refill(spec)
+            pool.offer([ahead.joined_in_order()])
+            pool.place_waiting()
+            shell = pool.take(in_cgroup(spec, other))
+            assert shell is not None and other.pids() == [shell.pid] and ahead.pids() == []
+            assert pool.places == [ahead.joined_in_order()]
+            collect(shell.pid, shell.outputs)
+        finally:
+            pool.clear()
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_a_fresh_spawn_into_a_cgroup_a_shell_waits_in_ends_that_shell(tmp_path, monkeypatch, mode):
+    """A command the waiting shell cannot run (another environment here) gets the cgroup
+    to itself: the shell is ended, and the cgroup is no longer on offer."""
+    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
+        assert groups is not None
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            ahead = groups.create("ready-taken")
+            pool.refill(spec_for("true", tmp_path))
+            pool.offer([ahead.joined_in_order()])
+            pool.place_waiting()
+            waiting = pool.idle[0]
+            other = in_cgroup(spec_for("true", tmp_path, env={**ENV, "X": "1"}), ahead)
+            pool.claim(other)
+            assert pool.take(other) is None
+            pool.vacate(other)
+            assert not pool.idle
+            wait_gone(waiting.pid)
+            assert ahead.pids() == []
+        finally:
+            pool.clear()
+
+
+def test_a_calls_cgroup_is_never_offered_again(tmp_path):
+    """`claim`: once a spawn names a cgroup, an offer of it (one still on its way when the
+    call was sent) is refused, and one on offer is withdrawn."""
+    pool = command_host.ShellPool(Spawner(), 1)
+    early, late = ("/cg/early", "/v1/early"), ("/cg/late",)
+    pool.offer([early])
+    pool.claim(spec_for("true", tmp_path)._replace(cgroup=early[0], cgroup_also=early[1:]))
+    pool.claim(spec_for("true", tmp_path)._replace(cgroup=late[0]))
+    assert pool.places == []
+    pool.offer([early, late, ("/cg/other",)])
+    assert pool.places == [("/cg/other",)]
+
+
+def test_places_from_a_request_are_lists_of_absolute_directories_or_nothing():
+    assert command_host.parse_places([["/a", "/b"], ["/c"]]) == [("/a", "/b"), ("/c",)]
+    for bad in (None, "/a", [["a"]], [[]], [[1]], [["/a", None]], {"/a": 1}):
+        assert command_host.parse_places(bad) == [], bad
+
+
+def test_idle_shells_are_placed_only_once_no_young_command_runs(tmp_path):
+    """A move may wait a grace period, and the host reports no exit meanwhile: it waits
+    until every running command is PLACE_AFTER_RUN_S old (an exited one does not count)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        host = command_host.Host(ours)
+        assert host._placing_due() == 0.0
+        spec = spec_for("true", tmp_path)
+        young = command_host.Hosted("young", tmp_path, spec, 1, {})
+        host.commands["young"] = young
+        due = host._placing_due()
+        assert 0 < due <= command_host.PLACE_AFTER_RUN_S
+        young.started -= command_host.PLACE_AFTER_RUN_S
+        assert host._placing_due() == 0.0
+        young.started += command_host.PLACE_AFTER_RUN_S
+        young.status = 0  # exited: its report is sent
+        assert host._placing_due() == 0.0
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def open_for_writing_as(user: pwd.struct_passwd, path: str) -> int:

@@ -15,7 +15,7 @@ from sandbox_supervisor.protocol import errors
 from sandbox_supervisor.protocol.fields import SESSION_CONTROL
 from sandbox_supervisor.daemon.runtime import calls
 from sandbox_supervisor.daemon.state.keys import owner_key
-from sandbox_supervisor.daemon.state.store import DB_FILENAME, _MIGRATIONS
+from sandbox_supervisor.daemon.state.store import _MIGRATIONS, _PROCESSES_TABLE, DB_FILENAME
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
 OWNER_SCOPE = f"files:read files:write shell:exec {SESSION_CONTROL}"
@@ -120,6 +120,14 @@ def _downgrade_to_v4(db: Path) -> None:
                 statement = "DROP TABLE idempotency_v5"
             conn.execute(statement)
         conn.execute("DROP TABLE IF EXISTS held")  # schema 6's, unknown to schema 4
+        # Schema 8's processes.cgroup, unknown to schema 4 (rebuilt: sqlite before 3.35 has
+        # no DROP COLUMN).
+        conn.execute("ALTER TABLE processes RENAME TO processes_v8")
+        conn.execute(_PROCESSES_TABLE)
+        conn.execute(
+            "INSERT INTO processes SELECT call_id, pid, pgid, start_ticks, recorded_at FROM processes_v8"
+        )
+        conn.execute("DROP TABLE processes_v8")
         conn.execute("PRAGMA user_version=4")
     assert [row[1] for row in conn.execute("PRAGMA table_info(idempotency)")][0] == "key"
     conn.close()

@@ -25,6 +25,7 @@ from sandbox_supervisor.daemon.state.store import (
     JtiReplayed,
     StateStore,
     StoreError,
+    _PROCESSES_TABLE,
 )
 
 NOW = 1_700_000_000.0
@@ -538,3 +539,32 @@ def test_a_process_forgotten_soon_goes_with_the_next_write_transaction(tmp_path:
     store.forget_process_soon(other)
     store.close()
     assert _process_rows(tmp_path) == []
+
+
+def test_a_process_record_keeps_its_cgroups_name_and_an_older_one_reads_as_its_call_id(tmp_path: Path) -> None:
+    """Schema 8 (runtime/ready_cgroups.py): a command's cgroup made ahead is named apart from
+    its call, so the record keeps the name; a record written before the column existed (or
+    with no name) reads back as the call_id, which is what its cgroup is named after."""
+    ahead, named, older = (
+        "2d9e4ab1-74c6-4c20-9f77-5a2c6b5aa043",
+        "3eaf5bc2-85d7-4d31-8a88-6b3d7c6bb154",
+        "4fb06cd3-96e8-4e42-9b99-7c4e8d7cc265",
+    )
+    with StateStore.open(tmp_path) as store:
+        store.start_process(ahead, 4242, 4242, 99, _started(ahead), cgroup="ready-0123abcd")
+        store.start_process(named, 4343, 4343, 99, _started(named))
+    # What schema 7 left: no cgroup column, one record.
+    with sqlite3.connect(tmp_path / DB_FILENAME) as conn:
+        conn.execute("ALTER TABLE processes RENAME TO processes_v8")
+        conn.execute(_PROCESSES_TABLE)
+        conn.execute("INSERT INTO processes SELECT call_id, pid, pgid, start_ticks, recorded_at FROM processes_v8")
+        conn.execute("DROP TABLE processes_v8")
+        conn.execute("INSERT INTO processes VALUES (?, 4444, 4444, 99, 1e9)", (older,))
+        conn.execute("PRAGMA user_version=7")
+    conn.close()
+    with StateStore.open(tmp_path) as store:
+        recorded = {row.call_id: row.cgroup for row in store.recorded_processes()}
+        store.start_process(ahead, 4242, 4242, 99, _started(ahead), cgroup="ready-0123abcd")
+        again = {row.call_id: row.cgroup for row in store.recorded_processes()}
+    assert recorded == {ahead: ahead, named: named, older: older}  # the v7 rows knew no name
+    assert again[ahead] == "ready-0123abcd" and again[older] == older

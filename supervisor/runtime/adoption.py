@@ -41,7 +41,8 @@ COMPLETE_RETRY_S = 1.0
 def adopt(adopted: Adopted, env: RecoveryEnv, journal: Journal, shell: ShellRuntime) -> None:
     """From now on the shell runtime counts the command against max_processes, signals it
     (exec.signal) and ends it at a stop; a task in its nursery completes the call."""
-    group = shell.track_adopted(adopted.record.call_id, adopted.pid, adopted.pgid, adopted.start_ticks)
+    process = adopted.process
+    group = shell.track_adopted(process.call_id, process.pid, process.pgid, process.start_ticks, process.cgroup)
     shell.nursery.start_soon(finish_adopted, adopted, env, journal, shell, group)
 
 
@@ -52,7 +53,7 @@ async def finish_adopted(
     record = adopted.record
     try:
         exit_file = spool_dir(env.state_dir, record.call_id) / EXIT_FILE
-        while not exit_file.exists() and hosted_and_running(adopted.pid, adopted.start_ticks):
+        while not exit_file.exists() and hosted_and_running(adopted.process.pid, adopted.process.start_ticks):
             await trio.sleep(ADOPTED_POLL_S)
         # Gone: its host writes the record once the pipes close, or COMPLETION_GRACE_S later.
         with trio.move_on_after(EXIT_RECORD_WAIT_S):

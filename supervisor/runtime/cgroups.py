@@ -30,6 +30,7 @@ import errno
 import hashlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -454,6 +455,11 @@ class CommandCgroup:
     def directories(self) -> list[str]:
         return ([self.v2] if self.v2 is not None else []) + list(self.v1.values())
 
+    def joined_in_order(self) -> tuple[str, ...]:
+        """The directories as a spawn names them: the membership first (a spec's `cgroup`),
+        then the others (its `cgroup_also`)."""
+        return (self.membership, *(d for d in self.directories() if d != self.membership))
+
     def add(self, pid: int) -> None:
         """Put `pid` in every directory of the command (OSError when one refuses)."""
         for directory in self.directories():
@@ -539,7 +545,7 @@ class CommandCgroup:
 
 @dataclass(frozen=True, slots=True)
 class Leftover:
-    name: str  # the call_id
+    name: str  # the cgroup's: a call_id, or a ready one's (runtime/ready_cgroups.py)
     processes: int  # killed
 
 
@@ -557,6 +563,9 @@ class Cgroups:
         self._v2_limits: frozenset[str] = frozenset()
         # Times `create` found a base directory removed under it and made it again.
         self.bases_restored = 0
+        # `create` runs on the event loop and in a worker thread (ready_cgroups.py): one at
+        # a time, so a base restored by one is complete (controllers enabled) for the other.
+        self._creating = threading.Lock()
 
     @property
     def mode(self) -> str:
@@ -619,12 +628,13 @@ class Cgroups:
         `sandbox-supervisor.*` directories (a test suite's, another daemon's) took this live
         daemon's for one, and until the next start every spawn then failed with `internal`
         `No such file or directory`."""
-        try:
+        with self._creating:
+            try:
+                return self._create(name)
+            except FileNotFoundError:
+                if not self._restore_bases():
+                    raise
             return self._create(name)
-        except FileNotFoundError:
-            if not self._restore_bases():
-                raise
-        return self._create(name)
 
     def _restore_bases(self) -> bool:
         """Make the base directories that are gone again, as `prepare` did (for cgroup2 the

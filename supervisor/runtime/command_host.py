@@ -32,6 +32,7 @@ it shares: a test checks its modules.
 from __future__ import annotations
 
 import array
+import collections
 import contextlib
 import errno
 import json
@@ -101,6 +102,17 @@ POOL_UNSAFE_ENV = frozenset(
     {"BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "BASH_XTRACEFD", "SECONDS", POOL_VARIABLE, POOL_UNDERSCORE_VARIABLE}
 )
 POOL_UNSAFE_ENV_PREFIX = "BASH_FUNC_"
+# Cgroups the daemon made for idle shells to wait in (the spawn request's `place`,
+# ready_cgroups.py), kept until a shell is put in one: at most this many.
+MAX_PLACES = 2 * MAX_IDLE_SHELLS
+# The calls' cgroups the host remembers, never to offer one of them to an idle shell again.
+# The daemon sends requests in the order it hands cgroups out, so an offer never trails its
+# call; this is the host's own guard, and a few dozen cover any reordering.
+CLAIMED_PLACES = 64
+# An idle shell is put in its cgroup only while no command younger than this runs: a move
+# can wait an RCU grace period (10-15 ms on a stock kernel after a pause), and the host
+# reports no exit meanwhile, so a short command's exit must not wait behind it.
+PLACE_AFTER_RUN_S = 0.5
 
 
 def pool_stub(fd: int) -> str:
@@ -150,11 +162,27 @@ def _command_bytes(spec: HolderSpec) -> bytes | None:
         return None
 
 
+Place = tuple[str, ...]  # a cgroup's directories, the membership first (a spec's cgroup, cgroup_also)
+
+
 class IdleShell(NamedTuple):
     pid: int
     start_ticks: int
     outputs: dict[Stream, int]  # the host's read ends of its stdout and stderr
     channel: socket.socket  # the host's end of the socket its command arrives on
+    placed: Place = ()  # the cgroup it waits in (ready_cgroups.py); (): the host's own
+
+
+def parse_places(value: object) -> list[Place]:
+    """A spawn request's `place`: lists of absolute directory paths; anything else is
+    ignored (the daemon never sends it, and a shell then waits unplaced, as before)."""
+    if not isinstance(value, list):
+        return []
+    places = []
+    for item in value:
+        if isinstance(item, list) and item and all(isinstance(d, str) and os.path.isabs(d) for d in item):
+            places.append(tuple(item))
+    return places
 
 
 class ShellPool:
@@ -172,13 +200,75 @@ class ShellPool:
         self.key: HolderSpec | None = None
         self.idle: list[IdleShell] = []
         self.killed: list[int] = []  # killed shells not yet reaped (never blocked on)
+        self.places: list[Place] = []  # cgroups offered for idle shells, none in them yet
+        self.claimed: collections.deque[Place] = collections.deque(maxlen=CLAIMED_PLACES)  # calls' cgroups
+
+    def offer(self, places: list[Place]) -> None:
+        """Cgroups for the next idle shells to wait in (`place_waiting` puts them there).
+        Never one that was a call's (`claim`), nor one a shell already waits in."""
+        for place in places:
+            taken = place in self.places or place in self.claimed or any(shell.placed == place for shell in self.idle)
+            if not taken and len(self.places) < MAX_PLACES:
+                self.places.append(place)
+
+    def claim(self, spec: HolderSpec) -> None:
+        """`spec`'s cgroup is its call's from now on: off offer, for good (the last
+        CLAIMED_PLACES are remembered, which covers any offer still on its way)."""
+        place = spec.cgroup_directories
+        if place:
+            with contextlib.suppress(ValueError):
+                self.places.remove(place)
+            self.claimed.append(place)
+
+    @property
+    def placing(self) -> bool:
+        """Whether an idle shell waits for a cgroup that is on offer."""
+        return bool(self.places) and any(not shell.placed for shell in self.idle)
+
+    def place_waiting(self) -> None:
+        """Put each idle shell that waits in the host's own cgroup in one on offer, as root,
+        by pid: the move a call then no longer makes. A shell the move fails for (it died,
+        or the cgroup was removed from outside) is ended, since it may be in part of that
+        cgroup already; the cgroup stays on offer while all of it is there."""
+        failed: list[IdleShell] = []
+        for index, shell in enumerate(self.idle):
+            if shell.placed or not self.places:
+                continue
+            place = self.places.pop(0)
+            try:
+                for directory in place:
+                    _move(os.path.join(directory, "cgroup.procs"), shell.pid)
+            except OSError:
+                failed.append(shell)
+                if all(os.path.isdir(directory) for directory in place):
+                    self.places.insert(0, place)
+                continue
+            self.idle[index] = shell._replace(placed=place)
+        for shell in failed:
+            self.idle.remove(shell)
+            self._kill(shell)
+
+    def vacate(self, spec: HolderSpec) -> None:
+        """A fresh spawn's cgroup holds its command alone: an idle shell that waits there
+        (the call is not one it can run) is ended first. It has run nothing, and its SIGKILL
+        takes it out at once."""
+        place = spec.cgroup_directories
+        for shell in [shell for shell in self.idle if place and shell.placed == place]:
+            self.idle.remove(shell)
+            self._kill(shell)
 
     def take(self, spec: HolderSpec) -> IdleShell | None:
-        """An idle shell running `spec`'s command in `spec`'s cgroups, or None."""
+        """An idle shell running `spec`'s command in `spec`'s cgroups, or None. The shell
+        already waiting in them goes first; another is moved in."""
         self._reap_killed()
         key = pool_key(spec)
         if key is None or key != self.key or not self.size:
             return None
+        place = spec.cgroup_directories
+        waiting = [shell for shell in self.idle if place and shell.placed == place]
+        for shell in waiting:  # to the front, where the loop below starts
+            self.idle.remove(shell)
+            self.idle.insert(0, shell)
         while self.idle:
             shell = self.idle.pop(0)  # the oldest: the longest settled
             state = self._state(shell.pid)
@@ -187,22 +277,28 @@ class ShellPool:
                     self._close(shell)
                 else:
                     self._kill(shell)
+                self._free_place(shell, place)
                 continue
             if not _same_directory(shell.pid, spec.cwd):
                 # The cwd was removed or replaced since the shell entered it: a fresh spawn
                 # enters the directory the path names now (or fails as it always did).
                 self._kill(shell)
+                self._free_place(shell, place)
                 continue
             try:
                 # Into the call's cgroups before it has its command: nothing of the agent's
-                # runs outside them. As root, by pid (the shell cannot move itself).
-                for directory in [] if spec.cgroup is None else [spec.cgroup, *spec.cgroup_also]:
-                    _move(os.path.join(directory, "cgroup.procs"), shell.pid)
+                # runs outside them. As root, by pid (the shell cannot move itself). One
+                # placed there ahead has nothing to move.
+                if shell.placed != place:
+                    for directory in place:
+                        _move(os.path.join(directory, "cgroup.procs"), shell.pid)
+                    self._free_place(shell)  # the one it left is empty: for the next idle shell
                 shell.channel.sendall(os.fsencode(spec.argv[2]) + b"\0")  # pool_key: it encodes
             except OSError:
                 # A cgroup gone or refused, or a shell that died: the spawn as without a pool
                 # (which reports a vanished cgroup as it always did).
                 self._kill(shell)
+                self._free_place(shell, place)
                 return None
             shell.channel.close()
             return shell
@@ -226,12 +322,16 @@ class ShellPool:
     def resize(self, size: int) -> None:
         self.size = max(0, min(size, MAX_IDLE_SHELLS))
         while len(self.idle) > self.size:
-            self._kill(self.idle.pop())
+            shell = self.idle.pop()
+            self._kill(shell)
+            self._free_place(shell)
 
     def clear(self) -> None:
         """Kill every idle shell (the key changed, the daemon is gone)."""
         while self.idle:
-            self._kill(self.idle.pop())
+            shell = self.idle.pop()
+            self._kill(shell)
+            self._free_place(shell)
         self._reap_killed()
 
     def _start(self, key: HolderSpec) -> IdleShell | None:
@@ -283,6 +383,12 @@ class ShellPool:
             os.killpg(shell.pid, signal.SIGKILL)
         self.killed.append(shell.pid)
         self._close(shell)
+
+    def _free_place(self, shell: IdleShell, call_place: Place = ()) -> None:
+        """A shell gone from the pool leaves its cgroup on offer for the next one (one killed
+        there ran nothing, and leaves it at its exit), unless that cgroup is the call's."""
+        if shell.placed and shell.placed != call_place:
+            self.offer([shell.placed])
 
     @staticmethod
     def _close(shell: IdleShell) -> None:
@@ -366,11 +472,24 @@ class Host:
                     self._reap(command)
             if self.daemon is None:
                 self._timers()
+            elif self.pool.placing and self._placing_due() <= 0:
+                self.pool.place_waiting()
+
+    def _placing_due(self) -> float:
+        """Seconds until idle shells may be moved into their cgroups: once no command
+        younger than PLACE_AFTER_RUN_S runs (0: now)."""
+        now = time.monotonic()
+        young = [c.started for c in self.commands.values() if c.status is None and now - c.started < PLACE_AFTER_RUN_S]
+        return max(0.0, max(young) + PLACE_AFTER_RUN_S - now) if young else 0.0
 
     def _select_timeout(self) -> float | None:
         polled = any(c.pidfd is None and c.status is None for c in self.commands.values())
         if self.daemon is not None:
-            return REAP_POLL_S if polled else None
+            timeout = REAP_POLL_S if polled else None
+            if self.pool.placing:
+                placing = self._placing_due()
+                timeout = placing if timeout is None else min(timeout, placing)
+            return timeout
         now = time.monotonic()
         due = [t for c in self.commands.values() for t in (c.timeout_at, c.kill_at) if t is not None]
         due += [c.exited_at + COMPLETION_GRACE_S for c in self.commands.values() if c.exited_at is not None]
@@ -434,6 +553,8 @@ class Host:
             return
         idle_shells = message.get("idle_shells", 0)
         self.pool.resize(idle_shells if isinstance(idle_shells, int) and not isinstance(idle_shells, bool) else 0)
+        self.pool.offer(parse_places(message.get("place")))
+        self.pool.claim(spec)
         shell = self.pool.take(spec)
         if shell is not None:
             # The shell's start time is its identity (with the pid) for a restart's clean-up
@@ -441,6 +562,7 @@ class Host:
             self._started(Hosted(call_id, directory, spec, shell.pid, shell.outputs), shell.start_ticks)
             self.pool.refill(spec)  # after the answer: off the call's path
             return
+        self.pool.vacate(spec)  # a fresh spawn's cgroup holds the command alone
         try:
             stdio = holder.open_stdio(spec)
         except OSError as exc:

@@ -24,7 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,19 +116,26 @@ class CommandHost:
 
     # --- spawning ------------------------------------------------------------------------
 
-    async def spawn(self, call_id: str, directory: Path, spec: HolderSpec) -> HostedProcess:
+    async def spawn(
+        self, call_id: str, directory: Path, spec: HolderSpec, place: Sequence[Sequence[str]] = ()
+    ) -> HostedProcess:
         """Start `spec` (stdin /dev/null, no terminal) for `call_id`; SpawnFailed when it did
-        not start, OSError when the host itself cannot be started or reached."""
-        request = {"op": "spawn", "id": call_id, "dir": str(directory), "idle_shells": self.idle_shells}
+        not start, OSError when the host itself cannot be started or reached. `place`:
+        cgroups (each its directories, the membership first) the host's next idle shells are
+        to wait in (ready_cgroups.py)."""
+        request = self._request(call_id, directory, place)
         message = json.dumps({**request, "spec": spec.to_json()}).encode()
-        if len(message) > INLINE_SPEC_MAX_BYTES:
-            # A datagram must fit the socket's send buffer (2 × net.core.wmem_max: 416 KiB on
-            # a stock kernel); a large environment goes by file, in the call's private spool.
-            message = await trio.to_thread.run_sync(_spec_by_file, call_id, directory, spec, self.idle_shells)
         # Shielded, with its own deadline: cut off between the request and the answer, a
-        # spawn would leave a command running that nobody tends.
+        # spawn would leave a command running that nobody tends. Nothing awaits before the
+        # lock, which is FIFO: requests reach the host in the order their callers took their
+        # cgroups (ready_cgroups.py), so no offer of a cgroup arrives after its call.
         with trio.CancelScope(shield=True):
             async with self._lock:
+                if len(message) > INLINE_SPEC_MAX_BYTES:
+                    # A datagram must fit the socket's send buffer (2 × net.core.wmem_max: 416
+                    # KiB on a stock kernel); a large environment goes by file, in the call's
+                    # private spool.
+                    message = await trio.to_thread.run_sync(_spec_by_file, request, directory, spec)
                 sock = await self._send_spawn(message)
                 with trio.move_on_after(SPAWN_TIMEOUT_S):
                     await self.receive_until(lambda: self._reply is not None or self._socket is not sock)
@@ -145,6 +152,12 @@ class CommandHost:
             await self._discard(sock, "answered out of turn")
             raise OSError("the command host answered out of turn")
         return process
+
+    def _request(self, call_id: str, directory: Path, place: Sequence[Sequence[str]]) -> dict[str, Any]:
+        request: dict[str, Any] = {"op": "spawn", "id": call_id, "dir": str(directory), "idle_shells": self.idle_shells}
+        if place:
+            request["place"] = [list(directories) for directories in place]
+        return request
 
     async def _send_spawn(self, message: bytes) -> trio.socket.SocketType:
         """Send a spawn request; the socket it went to. A host found dead before the request
@@ -344,15 +357,14 @@ class CommandHost:
         await self._reap()
 
 
-def _spec_by_file(call_id: str, directory: Path, spec: HolderSpec, idle_shells: int) -> bytes:
+def _spec_by_file(request: dict[str, Any], directory: Path, spec: HolderSpec) -> bytes:
     """Write the spec beside the call's spool (created private, as the spool is) and return
-    the request that names it; the host reads and removes it."""
+    `request` naming it; the host reads and removes it."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / HOST_SPEC_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(spec.to_json(), handle)
-    request = {"op": "spawn", "id": call_id, "dir": str(directory), "idle_shells": idle_shells}
     return json.dumps({**request, "spec_file": HOST_SPEC_FILE}).encode()
 
 

@@ -235,7 +235,7 @@ def _child(spec: HolderSpec, stdio: Stdio, report: int) -> NoReturn:
                 pass
         if spec.cgroup is not None:
             stage = "cgroup"  # as root, before the switch; a failure stops the spawn
-            for directory in (spec.cgroup, *spec.cgroup_also):
+            for directory in spec.cgroup_directories:
                 with open(os.path.join(directory, "cgroup.procs"), "w") as handle:
                     handle.write(str(os.getpid()))
         stage = "cwd"  # as root, as CPython's subprocess does it: cwd first, then the ids

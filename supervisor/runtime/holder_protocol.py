@@ -140,6 +140,11 @@ class HolderSpec(NamedTuple):
     # More cgroup directories the process joins with it (runtime/cgroups.py: v1 `memory` and
     # `pids` directories holding its limits, beside the membership directory `cgroup`).
     cgroup_also: tuple[str, ...] = ()
+
+    @property
+    def cgroup_directories(self) -> tuple[str, ...]:
+        """Every directory the process joins, the membership (`cgroup`) first; () for none."""
+        return () if self.cgroup is None else (self.cgroup, *self.cgroup_also)
     # Addition to the shared design: "null" gives the process /dev/null as stdin (today's
     # execute_shell_command), "pipe" a pipe fed by `stdin` requests. Ignored with a pty.
     stdin: Literal["pipe", "null"] = "pipe"

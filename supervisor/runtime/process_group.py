@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -87,14 +87,22 @@ class ProcessGroup:
 
     @classmethod
     async def hosted(
-        cls, host: CommandHost, call_id: str, directory: Path, spec: HolderSpec, cgroup: CommandCgroup | None = None
+        cls,
+        host: CommandHost,
+        call_id: str,
+        directory: Path,
+        spec: HolderSpec,
+        cgroup: CommandCgroup | None = None,
+        place: Sequence[Sequence[str]] = (),
     ) -> ProcessGroup:
         """Start `spec` through the command host (command_host.py), which is the command's
         parent, so that its exit status and output outlive the daemon. The host's child puts
         itself in the cgroup (spec.cgroup, as root, before the switch of ids) and sets its
         OOM score before it execs: nothing of the command runs outside its cgroup or with the
-        daemon's protection. SpawnFailed (command_host_link.py) when it did not start."""
-        return cls(await host.spawn(call_id, directory, spec), cgroup)
+        daemon's protection. `place`: cgroups (as `CommandCgroup.joined_in_order`) for the
+        host's next idle shells (ready_cgroups.py). SpawnFailed (command_host_link.py) when
+        it did not start."""
+        return cls(await host.spawn(call_id, directory, spec, place), cgroup)
 
     @property
     def pid(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -29,7 +29,7 @@ from sandbox_supervisor.daemon.runtime.tool import Event, Recovered, RecoveryEnv
 from sandbox_supervisor.daemon.runtime.registry import recoverers
 from sandbox_supervisor.daemon.state.keys import CallKey
 from sandbox_supervisor.daemon.state.visibility import EventView, call_result_view, commands_origin
-from sandbox_supervisor.daemon.state.store import CallRecord, StateStore, StoreError
+from sandbox_supervisor.daemon.state.store import CallRecord, RecordedProcess, StateStore, StoreError
 
 log = structlog.get_logger("supervisor.recovery")
 
@@ -41,16 +41,16 @@ EXIT_RECORD_WAIT_S = 1.0
 EXIT_RECORD_POLL_S = 0.02
 
 
-def hosted_commands(store: StateStore, state_dir: Path, pending: Collection[str]) -> dict[str, tuple[int, int, int]]:
+def hosted_commands(store: StateStore, state_dir: Path, pending: Collection[str]) -> dict[str, RecordedProcess]:
     """The recorded commands that still run under a command host (command_host.py) that
     outlived the previous daemon and has not yet recorded their end: left running, and
-    reported once they end (ShellRuntime.adopt). By call_id: (pid, pgid, start_ticks)."""
+    reported once they end (ShellRuntime.adopt). By call_id."""
     running = {}
-    for call_id, pid, pgid, start in store.recorded_processes():
-        if call_id not in pending or (spool_dir(state_dir, call_id) / EXIT_FILE).exists():
+    for recorded in store.recorded_processes():
+        if recorded.call_id not in pending or (spool_dir(state_dir, recorded.call_id) / EXIT_FILE).exists():
             continue
-        if hosted_and_running(pid, start):
-            running[call_id] = (pid, pgid, start)
+        if hosted_and_running(recorded.pid, recorded.start_ticks):
+            running[recorded.call_id] = recorded
     return running
 
 
@@ -79,9 +79,9 @@ def await_exit_records(
     process is gone and whose spool lacks exit.json are waited for, and only while some
     command host runs at all."""
     waiting = [
-        call_id
-        for call_id, _pid, _pgid, _start in store.recorded_processes()
-        if call_id in pending and not (spool_dir(state_dir, call_id) / EXIT_FILE).exists()
+        recorded.call_id
+        for recorded in store.recorded_processes()
+        if recorded.call_id in pending and not (spool_dir(state_dir, recorded.call_id) / EXIT_FILE).exists()
     ]
     deadline = time.monotonic() + timeout_s
     while waiting and time.monotonic() < deadline and any_command_host():
@@ -97,21 +97,25 @@ def any_command_host() -> bool:
 
 
 def kill_leftover_groups(
-    store: StateStore, state_dir: Path, cgroups: Cgroups | None = None, keep: Collection[str] = ()
+    store: StateStore, state_dir: Path, cgroups: Cgroups | None = None, keep: Mapping[str, RecordedProcess] | None = None
 ) -> int:
     """Kill the groups recorded by a previous instance that still run the same processes,
     and every process of the command cgroups it left (which holds what left the groups with
-    setsid, and what a crash between a cgroup's creation and its record started). Held
-    processes that still run are not leftovers: their holders keep them for this daemon to
-    adopt (docs/protocol.md §7.7.5)."""
+    setsid, what a crash between a cgroup's creation and its record started, and the idle
+    shells its command host left in cgroups made ahead). Held processes that still run are
+    not leftovers: their holders keep them for this daemon to adopt (docs/protocol.md
+    §7.7.5); nor are the commands in `keep` (a command host still runs them, by call_id),
+    whose cgroups are those their records name."""
+    keep = keep or {}
     killed = 0
     if cgroups is not None and cgroups.enabled:
         held = {record.call_id for record in store.held_processes() if record.exit_json is None}
-        for leftover in cgroups.kill_leftovers(keep=held | set(keep)):
+        kept = {recorded.cgroup for recorded in keep.values()}
+        for leftover in cgroups.kill_leftovers(keep=held | kept):
             if leftover.processes:
-                log.warning("process.leftover_cgroup_killed", call_id=leftover.name, processes=leftover.processes)
+                log.warning("process.leftover_cgroup_killed", cgroup=leftover.name, processes=leftover.processes)
             killed += leftover.processes
-    for call_id, pid, pgid, start in store.recorded_processes():
+    for call_id, pid, pgid, start, _cgroup in store.recorded_processes():
         if call_id in keep:
             continue
         count = processes.kill_leftover_group(pid, pgid, start)
@@ -165,9 +169,7 @@ class Adopted(NamedTuple):
     pending, and completed with its real result once the host records its end."""
 
     record: CallRecord
-    pid: int
-    pgid: int
-    start_ticks: int
+    process: RecordedProcess
 
 
 class Recovery(NamedTuple):
@@ -207,12 +209,12 @@ def recover_pending_calls(
             roots.close()
 
 
-def _recover_all(store: StateStore, env: RecoveryEnv, running: dict[str, tuple[int, int, int]]) -> Recovery:
+def _recover_all(store: StateStore, env: RecoveryEnv, running: Mapping[str, RecordedProcess]) -> Recovery:
     completed = 0
     adopted = []
     for record in store.pending_calls():
         if record.tool_name == SHELL_TOOL and record.call_id in running:
-            adopted.append(Adopted(record, *running[record.call_id]))
+            adopted.append(Adopted(record, running[record.call_id]))
             continue
         complete_recovered(store.complete_call, record, recover_one(record, env))
         completed += 1

@@ -45,6 +45,7 @@ from sandbox_supervisor.daemon.runtime.command_output import (
 )
 from sandbox_supervisor.daemon.runtime import processes
 from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
+from sandbox_supervisor.daemon.runtime.command_host import pool_key
 from sandbox_supervisor.daemon.runtime.command_host_link import CommandHost, HostLost, SpawnFailed
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec, TerminalSize
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
@@ -52,6 +53,7 @@ from sandbox_supervisor.daemon.runtime.failures import SPAWN_EXHAUSTION_ERRNOS, 
 from sandbox_supervisor.daemon.runtime.paths import WorkspaceRoots, resolve_directory, resolve_in_jail
 from sandbox_supervisor.daemon.runtime.identity import CommandIdentity, account_environment
 from sandbox_supervisor.daemon.runtime.process_group import LingeringGroups, ProcessGroup, signal_group
+from sandbox_supervisor.daemon.runtime.ready_cgroups import ReadyCgroups
 from sandbox_supervisor.daemon.runtime.spool_directories import ReadySpoolDirectories
 from sandbox_supervisor.daemon.runtime.spool import (
     SpoolNotFound,
@@ -245,8 +247,7 @@ def command_spec(
     (start_process): the configured shell, the command user's ids, the OOM score, and its
     cgroup, which the spawned process joins itself (every directory) before it execs."""
     identity = settings.identity
-    membership = None if cgroup is None else cgroup.membership
-    return HolderSpec(
+    spec = HolderSpec(
         argv=tuple(shell_argv(choose_shell(settings.shell), command, login=login)),
         cwd=str(cwd),
         env=env,
@@ -258,10 +259,18 @@ def command_spec(
         kill_grace_s=settings.kill_grace_s,
         spool_max_bytes=settings.spool_max_bytes,
         oom_score_adj=COMMAND_OOM_SCORE_ADJ,
-        cgroup=membership,
-        cgroup_also=() if cgroup is None else tuple(d for d in cgroup.directories() if d != membership),
         stdin=stdin,
     )
+    return in_cgroup(spec, cgroup)
+
+
+def in_cgroup(spec: HolderSpec, cgroup: CommandCgroup | None) -> HolderSpec:
+    """`spec` run in `cgroup`, which the spawned process joins itself (every directory)
+    before it execs; as it is for None."""
+    if cgroup is None:
+        return spec
+    joined = cgroup.joined_in_order()
+    return spec._replace(cgroup=joined[0], cgroup_also=joined[1:])
 
 
 def start_failure(exc: OSError) -> ToolFailure:
@@ -355,6 +364,10 @@ class ShellRuntime:
         self._spools = SpoolBudget(settings.state_dir, settings.spool_total_max_bytes, keep=self._spools_to_keep)
         # Spool directories made ahead, off the call's path (spool_directories.py).
         self.ready_spools = ReadySpoolDirectories(settings.state_dir, nursery)
+        # Cgroups made ahead, and offered to the host's idle shells (ready_cgroups.py).
+        self.ready_cgroups: ReadyCgroups | None = (
+            ReadyCgroups(settings.cgroups, nursery) if settings.cgroups is not None and settings.cgroups.enabled else None
+        )
         self.stopping = False  # set by stop_all: no command starts after it
         # Completed commands' groups that background descendants keep alive: stop_all must
         # still find them, and each is forgotten once empty.
@@ -374,10 +387,11 @@ class ShellRuntime:
         own = sum(1 for command in self.commands.values() if not command.shell_exited)
         return self._starting + own + len(self.adopted)
 
-    def track_adopted(self, call_id: str, pid: int, pgid: int, start_ticks: int) -> AdoptedGroup:
-        """Count, signal and stop an adopted command like one of ours until `release_adopted`."""
+    def track_adopted(self, call_id: str, pid: int, pgid: int, start_ticks: int, cgroup_name: str) -> AdoptedGroup:
+        """Count, signal and stop an adopted command like one of ours until `release_adopted`
+        (`cgroup_name`: as its process record names it)."""
         cgroups = self.settings.cgroups
-        cgroup = cgroups.adopt(call_id) if cgroups is not None and cgroups.enabled else None
+        cgroup = cgroups.adopt(cgroup_name) if cgroups is not None and cgroups.enabled else None
         group = self.adopted[call_id] = AdoptedGroup(call_id, pid, pgid, start_ticks, cgroup)
         return group
 
@@ -540,24 +554,38 @@ class ShellRuntime:
         vanished = False  # the failure is a cgroup removed from outside: nothing ran
         try:
             cgroups = self.settings.cgroups
+            # Whether the host's pool runs it: then its cgroup is one the pool's idle shell
+            # may be in already (ready_cgroups.py), and the spawn offers the next ones.
+            unplaced = self._spec(params, cwd, env, login)
+            pooled = pool_key(unplaced) is not None
             for attempt in range(CGROUP_SPAWN_ATTEMPTS):
+                place: list[CommandCgroup] = []
                 if cgroups is not None and cgroups.enabled:
-                    restored = cgroups.bases_restored
-                    try:
-                        # Blocking, but a few mkdir/writes on a kernel file system.
-                        cgroup = cgroups.create(call_id)
-                    except FileNotFoundError:
-                        vanished = True  # its base again, right after it was made again
-                        raise
-                    if cgroups.bases_restored != restored:
-                        log.warning("shell.cgroup_base_restored", call_id=call_id)
+                    ready = self.ready_cgroups
+                    # Made ahead on the first attempt; a retry (the cgroup was removed from
+                    # outside) makes the call's own, as when none is ready.
+                    if ready is not None and attempt == 0:
+                        cgroup = ready.take(pooled=pooled)
+                        if pooled:
+                            place = ready.offer(self.host.idle_shells)
+                    if cgroup is None:
+                        restored = cgroups.bases_restored
+                        try:
+                            # Blocking, but a few mkdir/writes on a kernel file system.
+                            cgroup = cgroups.create(call_id)
+                        except FileNotFoundError:
+                            vanished = True  # its base again, right after it was made again
+                            raise
+                        if cgroups.bases_restored != restored:
+                            log.warning("shell.cgroup_base_restored", call_id=call_id)
                 try:
                     group = await ProcessGroup.hosted(
                         self.host,
                         call_id,
                         spool_dir(self.settings.state_dir, call_id),
-                        self._spec(params, cwd, env, login, cgroup),
+                        in_cgroup(unplaced, cgroup),
                         cgroup,
+                        place=[c.joined_in_order() for c in place],
                     )
                     break
                 except SpawnFailed as exc:
@@ -599,13 +627,12 @@ class ShellRuntime:
             self.telemetry.process_started()
         return command
 
-    def _spec(
-        self, params: ExecuteShellCommandParams, cwd: Path, env: dict[str, str], login: bool, cgroup: CommandCgroup | None
-    ) -> HolderSpec:
-        """What the command host runs: the timeout, grace and spool cap are the ones the
-        host applies itself if the daemon dies while the command runs."""
+    def _spec(self, params: ExecuteShellCommandParams, cwd: Path, env: dict[str, str], login: bool) -> HolderSpec:
+        """What the command host runs, before its cgroup is chosen: the timeout, grace and
+        spool cap are the ones the host applies itself if the daemon dies while the command
+        runs."""
         return command_spec(
-            self.settings, params.command, cwd, env, login, cgroup, timeout_s=params.timeout_ms / 1000, stdin="null"
+            self.settings, params.command, cwd, env, login, None, timeout_s=params.timeout_ms / 1000, stdin="null"
         )
 
     def _record_start(
@@ -614,6 +641,7 @@ class ShellRuntime:
         """Record the group (for the next start's clean-up) and journal exec.started, in one
         transaction."""
         pid = command.group.pid
+        cgroup = command.group.cgroup
         self.journal.start_process(
             call.call_id,
             pid,
@@ -633,6 +661,8 @@ class ShellRuntime:
                 },
             },
             commands_origin(ctx.allowed_commands),
+            # A cgroup made ahead is named apart from the call: the record keeps its name.
+            None if cgroup is None or cgroup.name == call.call_id else cgroup.name,
         )
 
     async def _abandon(self, command: Command) -> None:

@@ -10,6 +10,7 @@ import errno
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
 
 from sandbox_supervisor.daemon.runtime import holder
 from sandbox_supervisor.daemon.runtime.cgroups import hierarchy_path, parse_mountinfo, parse_proc_cgroup
@@ -55,7 +56,7 @@ class Spawner:
             raise holder.SpawnError("exec", errno.EINVAL)
         if not self.usable or stdio.pty_slave is not None:
             return holder.spawn(spec, stdio)
-        directories = [] if spec.cgroup is None else [spec.cgroup, *spec.cgroup_also]
+        directories = spec.cgroup_directories
         homes = [self._home(directory) for directory in directories]
         if any(home is None for home in homes):
             return holder.spawn(spec, stdio)
@@ -76,7 +77,7 @@ class Spawner:
         return pid
 
     def _popen(
-        self, spec: HolderSpec, stdio: holder.Stdio, directories: list[str], homes: list[str], pass_fds: tuple[int, ...] = ()
+        self, spec: HolderSpec, stdio: holder.Stdio, directories: Sequence[str], homes: list[str], pass_fds: tuple[int, ...] = ()
     ) -> int:
         own_score = self._raise_score(spec.oom_score_adj)
         joined: list[str] = []
@@ -127,7 +128,7 @@ class Spawner:
         next spawn: the fork server does it between requests, and the holders it forks
         later inherit what it found."""
         if not self.stuck:
-            for directory in () if spec.cgroup is None else (spec.cgroup, *spec.cgroup_also):
+            for directory in spec.cgroup_directories:
                 self._home(directory)
 
     def _home(self, directory: str) -> str | None:

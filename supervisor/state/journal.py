@@ -189,9 +189,10 @@ class Journal:
         start_ticks: int,
         started_body: dict[str, Any],
         origin: str | None = None,
+        cgroup: str | None = None,
     ) -> list[JournalRow]:
         """Record a spawned process group and journal its exec.started, in one transaction."""
-        rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body, origin)
+        rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body, origin, cgroup)
         self._appended(rows)
         return rows
 

@@ -39,7 +39,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # Space given back after pruning (docs/operations.md, "Disk use of the state directory"): the
 # database is in incremental auto-vacuum mode, and free pages are returned to the file system
@@ -268,6 +268,10 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
     # release would take the stale meta value for the last seq and fail every append on a
     # seq already used; with the version raised it refuses the database at start instead.
     (),
+    # A command's cgroup may be one made ahead (runtime/ready_cgroups.py), named apart from
+    # its call_id: the record keeps the name, for a restart to adopt and keep it. NULL (a
+    # record of an earlier release): the cgroup is named after the call_id.
+    ("ALTER TABLE processes ADD COLUMN cgroup TEXT",),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -363,6 +367,16 @@ class CallRetention:
     def __post_init__(self) -> None:
         if not (self.max_age_s > 0 and self.max_result_bytes > 0):
             raise ValueError("call retention limits must be positive")
+
+
+class RecordedProcess(NamedTuple):
+    """A command's process group as recorded when it started (`start_process`)."""
+
+    call_id: str
+    pid: int
+    pgid: int
+    start_ticks: int
+    cgroup: str  # its cgroup's name: a ready one's (runtime/ready_cgroups.py), or the call_id
 
 
 class JournalRow(NamedTuple):
@@ -1107,15 +1121,17 @@ class StateStore:
         start_ticks: int,
         started_body: dict[str, Any],
         origin: str | None = None,
+        cgroup: str | None = None,
     ) -> list[JournalRow]:
         """Record a spawned process group (for the clean-up after a crash) and journal its
-        exec.started, in one transaction: a started command always has its record."""
+        exec.started, in one transaction: a started command always has its record. `cgroup`:
+        the name of its cgroup when that is not its call_id."""
         now = time.time()
         with self._transaction() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO processes (call_id, pid, pgid, start_ticks, recorded_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (call_id, pid, pgid, start_ticks, now),
+                "INSERT OR REPLACE INTO processes (call_id, pid, pgid, start_ticks, recorded_at, cgroup)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (call_id, pid, pgid, start_ticks, now, cgroup),
             )
             return self._append_events_in(conn, [(EXEC_STARTED, started_body)], now, origin=origin)
 
@@ -1142,13 +1158,13 @@ class StateStore:
             with self._transaction():
                 pass  # the deletes are the transaction's prologue
 
-    def recorded_processes(self) -> list[tuple[str, int, int, int]]:
-        """(call_id, pid, pgid, start_ticks) of every group not yet known to be gone."""
+    def recorded_processes(self) -> list[RecordedProcess]:
+        """Every group not yet known to be gone, oldest first."""
         with self._transaction(write=False) as conn:
-            rows: list[tuple[str, int, int, int]] = conn.execute(
-                "SELECT call_id, pid, pgid, start_ticks FROM processes ORDER BY recorded_at"
+            rows = conn.execute(
+                "SELECT call_id, pid, pgid, start_ticks, COALESCE(cgroup, call_id) FROM processes ORDER BY recorded_at"
             ).fetchall()
-        return [row for row in rows if row[0] not in self._forgotten]
+        return [RecordedProcess(*row) for row in rows if row[0] not in self._forgotten]
 
     # -- held processes (runtime/held.py) --------------------------------------------------
 

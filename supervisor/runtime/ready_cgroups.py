@@ -1,0 +1,129 @@
+"""Command cgroups made ahead of need, and offered to the command host's idle shells.
+
+A command's cgroup costs its call two things: making it (a mkdir in each hierarchy and the
+limits' writes, 0.3 ms on the benchmark machine) and moving the command's first process into
+it. The move is the dear one: the kernel orders migrations against every fork and exit with
+a lock whose writer waits for an RCU grace period unless another migration ran a moment
+before, so after an agent's pause a move takes 10-15 ms on a stock kernel (docs/operations.md,
+"Process isolation"). Both can be paid between calls:
+
+- The shell runtime keeps a few cgroups made ahead (`ready-<hex>` beside the per-call ones,
+  limits set), made by a worker thread, and a command takes one instead of making its own.
+  When none is ready (the first command, a burst, a refusal) the command makes its cgroup,
+  named after its call_id, as before.
+- A command the host's pool can run (`command_host.pool_key`) takes one of the cgroups
+  offered to the host: each spawn request offers the host cgroups to put its next idle
+  shells into (`place`), so the shell that runs the command is already a member when the
+  call arrives, and nothing moves on the call's path. Another command never takes an offered
+  cgroup, which may hold an idle shell; the host ends one it finds in a fresh spawn's cgroup.
+
+A cgroup so named says nothing about its call: the process record keeps its name
+(`StateStore.start_process`), and a restart adopts, signals and keeps a command's cgroup by
+it. Those a previous run left ready, and those offered and never used, are leftovers to the
+next start: empty, or holding an idle shell that has run nothing, and removed with the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import structlog
+import trio
+
+from sandbox_supervisor.daemon.runtime.cgroups import Cgroups, CommandCgroup
+
+__all__ = ["READY_PREFIX", "ReadyCgroups"]
+
+log = structlog.get_logger("supervisor.cgroups")
+
+# The name of a cgroup made ahead: a call_id is a UUID, so the two never meet.
+READY_PREFIX = "ready-"
+# How many are kept ready beside those on offer, and below how many the worker makes more.
+READY_TARGET = 4
+READY_LOW = 2
+# After a refusal (a hierarchy's descendant limit, say) the next attempt waits this long, so
+# a refusing hierarchy costs a worker thread and a log line per this, not per command.
+REFUSED_RETRY_S = 5.0
+
+
+class ReadyCgroups:
+    """Cgroups to give commands: `take` on the call's path, `offer` for the host's idle
+    shells, the refill in a worker thread started from the runtime's nursery."""
+
+    def __init__(self, cgroups: Cgroups, nursery: trio.Nursery, target: int = READY_TARGET) -> None:
+        self._cgroups = cgroups
+        self._nursery = nursery
+        self._target = target
+        self._plain: list[CommandCgroup] = []  # made, never offered: empty
+        self._offered: list[CommandCgroup] = []  # offered to the host, oldest first
+        self._refilling = False
+        self._retry_at = float("-inf")  # trio time before which no refill is tried (a refusal)
+
+    @property
+    def ready(self) -> int:
+        return len(self._plain) + len(self._offered)
+
+    def take(self, *, pooled: bool) -> CommandCgroup | None:
+        """A cgroup for a command: the oldest offered one when the host's pool will run it
+        (its idle shell is the likeliest to be in it), else one never offered; None when
+        none is ready (the caller makes the call's own)."""
+        taken: CommandCgroup | None = None
+        while taken is None:
+            if pooled and self._offered:
+                taken = self._offered.pop(0)
+            elif self._plain:
+                taken = self._plain.pop()
+            else:
+                break
+            if not os.path.isdir(taken.membership):
+                # An empty cgroup is anyone's to remove (root's clean-up of leftovers, say):
+                # one that went is not handed out, where its spawn would fail and be retried.
+                taken = None
+        self._maybe_refill()
+        return taken
+
+    def offer(self, wanted: int) -> list[CommandCgroup]:
+        """Ready cgroups to offer the host until `wanted` are on offer (the host's pool size):
+        the ones newly offered, for this spawn request's `place`."""
+        offered: list[CommandCgroup] = []
+        while len(self._offered) < wanted and self._plain:
+            cgroup = self._plain.pop()
+            self._offered.append(cgroup)
+            offered.append(cgroup)
+        if offered:
+            self._maybe_refill()
+        return offered
+
+    def _maybe_refill(self) -> None:
+        if len(self._plain) < READY_LOW and not self._refilling and trio.current_time() >= self._retry_at:
+            self._refilling = True
+            try:
+                self._nursery.start_soon(self._refill)
+            except RuntimeError:  # the nursery is closing (a stop): none are needed any more
+                self._refilling = False
+
+    async def _refill(self) -> None:
+        try:
+            wanted = self._target - len(self._plain)
+            restored = self._cgroups.bases_restored
+            made, refusal = await trio.to_thread.run_sync(self._make, wanted)
+            self._plain.extend(made)
+            if self._cgroups.bases_restored != restored:
+                log.warning("cgroup.base_restored", by="ready_cgroups")
+            if refusal is not None:
+                log.info("cgroup.ready_refused", error=refusal, made=len(made))
+                self._retry_at = trio.current_time() + REFUSED_RETRY_S
+        finally:
+            self._refilling = False
+
+    def _make(self, count: int) -> tuple[list[CommandCgroup], str | None]:
+        """`count` new cgroups, limits set, and why fewer were made (the commands then make
+        their own, and the refusal is theirs to report)."""
+        made: list[CommandCgroup] = []
+        try:
+            for _ in range(count):
+                made.append(self._cgroups.create(READY_PREFIX + uuid.uuid4().hex))
+        except OSError as exc:
+            return made, exc.strerror or str(exc)
+        return made, None
