@@ -296,8 +296,28 @@ def test_a_fresh_spawn_into_a_cgroup_a_shell_waits_in_ends_that_shell(tmp_path, 
             assert pool.take(other) is None
             pool.vacate(other)
             assert not pool.idle
-            wait_gone(waiting.pid)
+            # Gone and reaped before the fresh spawn: a zombie would still count against
+            # the cgroup's pids.max.
+            with pytest.raises(ChildProcessError):
+                os.waitpid(waiting.pid, os.WNOHANG)
             assert ahead.pids() == []
+        finally:
+            pool.clear()
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_an_idle_shell_offered_a_cgroup_that_went_waits_on_unharmed(tmp_path, monkeypatch, mode):
+    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
+        assert groups is not None
+        pool = command_host.ShellPool(spawner, 1)
+        try:
+            gone = groups.create("ready-gone")
+            pool.refill(spec_for("true", tmp_path))
+            waiting = pool.idle[0]
+            pool.offer([gone.joined_in_order()])
+            assert gone.remove()  # root's clean-up of empty cgroups, from outside
+            pool.place_waiting()
+            assert pool.idle == [waiting] and pool.places == [] and not pool.placing
         finally:
             pool.clear()
 

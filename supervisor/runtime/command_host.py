@@ -113,6 +113,10 @@ CLAIMED_PLACES = 64
 # can wait an RCU grace period (10-15 ms on a stock kernel after a pause), and the host
 # reports no exit meanwhile, so a short command's exit must not wait behind it.
 PLACE_AFTER_RUN_S = 0.5
+# How long an idle shell killed in the cgroup a command is about to start in is waited for
+# (it counts against that cgroup's pids.max until reaped); it waits in a `read` and goes at once.
+REAP_IN_CALL_CGROUP_S = 0.1
+REAP_IN_CALL_CGROUP_POLL_S = 0.001
 
 
 def pool_stub(fd: int) -> str:
@@ -227,35 +231,48 @@ class ShellPool:
 
     def place_waiting(self) -> None:
         """Put each idle shell that waits in the host's own cgroup in one on offer, as root,
-        by pid: the move a call then no longer makes. A shell the move fails for (it died,
-        or the cgroup was removed from outside) is ended, since it may be in part of that
-        cgroup already; the cgroup stays on offer while all of it is there."""
-        failed: list[IdleShell] = []
+        by pid: the move a call then no longer makes. When a move fails, a cgroup that is
+        gone leaves the offer (the shell waits on where it is) and one still whole stays on
+        it; a shell moved into part of a cgroup only is ended, as it is in no one cgroup."""
+        half_moved: list[IdleShell] = []
         for index, shell in enumerate(self.idle):
             if shell.placed or not self.places:
                 continue
             place = self.places.pop(0)
+            moved = 0
             try:
                 for directory in place:
                     _move(os.path.join(directory, "cgroup.procs"), shell.pid)
+                    moved += 1
             except OSError:
-                failed.append(shell)
                 if all(os.path.isdir(directory) for directory in place):
                     self.places.insert(0, place)
+                if moved:
+                    half_moved.append(shell)
                 continue
             self.idle[index] = shell._replace(placed=place)
-        for shell in failed:
+        for shell in half_moved:
             self.idle.remove(shell)
             self._kill(shell)
 
     def vacate(self, spec: HolderSpec) -> None:
         """A fresh spawn's cgroup holds its command alone: an idle shell that waits there
-        (the call is not one it can run) is ended first. It has run nothing, and its SIGKILL
-        takes it out at once."""
+        (the call is not one it can run) is ended first, and reaped (`_end_in_call_cgroup`)."""
         place = spec.cgroup_directories
         for shell in [shell for shell in self.idle if place and shell.placed == place]:
             self.idle.remove(shell)
-            self._kill(shell)
+            self._end_in_call_cgroup(shell)
+
+    def _end_in_call_cgroup(self, shell: IdleShell) -> None:
+        """Kill an idle shell that waits in the cgroup a command is about to start in, and
+        reap it, for up to REAP_IN_CALL_CGROUP_S: until reaped it still counts against the
+        cgroup's pids.max. It has run nothing and waits in a `read`, so it goes at once."""
+        self._kill(shell)
+        deadline = time.monotonic() + REAP_IN_CALL_CGROUP_S
+        while shell.pid in self.killed and time.monotonic() < deadline:
+            self._reap_killed()
+            if shell.pid in self.killed:
+                time.sleep(REAP_IN_CALL_CGROUP_POLL_S)
 
     def take(self, spec: HolderSpec) -> IdleShell | None:
         """An idle shell running `spec`'s command in `spec`'s cgroups, or None. The shell
@@ -276,13 +293,13 @@ class ShellPool:
                 if state == "gone":
                     self._close(shell)
                 else:
-                    self._kill(shell)
+                    self._end(shell, place)
                 self._free_place(shell, place)
                 continue
             if not _same_directory(shell.pid, spec.cwd):
                 # The cwd was removed or replaced since the shell entered it: a fresh spawn
                 # enters the directory the path names now (or fails as it always did).
-                self._kill(shell)
+                self._end(shell, place)
                 self._free_place(shell, place)
                 continue
             try:
@@ -297,7 +314,7 @@ class ShellPool:
             except OSError:
                 # A cgroup gone or refused, or a shell that died: the spawn as without a pool
                 # (which reports a vanished cgroup as it always did).
-                self._kill(shell)
+                self._end(shell, place)
                 self._free_place(shell, place)
                 return None
             shell.channel.close()
@@ -383,6 +400,13 @@ class ShellPool:
             os.killpg(shell.pid, signal.SIGKILL)
         self.killed.append(shell.pid)
         self._close(shell)
+
+    def _end(self, shell: IdleShell, call_place: Place) -> None:
+        """Kill a shell the call will not use; reaped first when it is in the call's cgroup."""
+        if call_place and shell.placed == call_place:
+            self._end_in_call_cgroup(shell)
+        else:
+            self._kill(shell)
 
     def _free_place(self, shell: IdleShell, call_place: Place = ()) -> None:
         """A shell gone from the pool leaves its cgroup on offer for the next one (one killed
@@ -548,13 +572,14 @@ class Host:
         except (KeyError, ValueError, OSError, SpecError) as exc:
             self._send({"op": "failed", "id": call_id, "stage": "spec", "errno": 0, "message": str(exc)})
             return
+        self.pool.claim(spec)  # refused or not, the daemon has handed this cgroup to a call
         if call_id in self.commands:
+            self.pool.vacate(spec)  # the daemon removes the cgroup after a refusal
             self._send({"op": "failed", "id": call_id, "stage": "spec", "errno": 0, "message": "call_id in use"})
             return
         idle_shells = message.get("idle_shells", 0)
         self.pool.resize(idle_shells if isinstance(idle_shells, int) and not isinstance(idle_shells, bool) else 0)
         self.pool.offer(parse_places(message.get("place")))
-        self.pool.claim(spec)
         shell = self.pool.take(spec)
         if shell is not None:
             # The shell's start time is its identity (with the pid) for a restart's clean-up
