@@ -14,12 +14,14 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import trio
 
-from sandbox_supervisor.daemon.runtime import command_host, holder
+from sandbox_supervisor.daemon.runtime import cgroups, command_host, holder
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 from sandbox_supervisor.daemon.runtime.oom import COMMAND_OOM_SCORE_ADJ
 from sandbox_supervisor.daemon.runtime.shell import in_cgroup
@@ -228,30 +230,37 @@ def refuse_moves(procs: str, pid: int) -> None:
     raise AssertionError(f"moved {pid} into {procs} on the call's path")
 
 
-@pytest.mark.parametrize("mode", CGROUP_MODES)
-def test_an_idle_shell_waits_in_the_cgroup_on_offer_and_its_call_moves_nothing(tmp_path, monkeypatch, mode):
-    """runtime/ready_cgroups.py: a cgroup offered with a spawn request gets the next idle
-    shell before any call, and the call whose cgroup it is takes that shell as it is."""
+@contextmanager
+def pool_in_cgroups(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[cgroups.Cgroups, command_host.ShellPool]]:
+    """A one-shell pool on the fast spawner, and real cgroups in `mode` to offer it."""
     with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
         assert groups is not None
         pool = command_host.ShellPool(spawner, 1)
         try:
-            ahead = groups.create("ready-ahead")
-            spec = spec_for("cat /proc/self/cgroup", tmp_path, ahead)
-            pool.refill(spec)
-            pool.offer([ahead.joined_in_order()])
-            assert pool.placing
-            pool.place_waiting()
-            waiting = pool.idle[0]
-            assert not pool.placing and waiting.placed == ahead.joined_in_order()
-            assert ahead.pids() == [waiting.pid]  # in it before the call, and alone
-            with monkeypatch.context() as patch:
-                patch.setattr(command_host, "_move", refuse_moves)
-                shell = pool.take(spec)
-            assert shell is not None and shell.pid == waiting.pid
-            stdout, _, code = collect(shell.pid, shell.outputs)
+            yield groups, pool
         finally:
             pool.clear()
+
+
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_an_idle_shell_waits_in_the_cgroup_on_offer_and_its_call_moves_nothing(tmp_path, monkeypatch, mode):
+    """runtime/ready_cgroups.py: a cgroup offered with a spawn request gets the next idle
+    shell before any call, and the call whose cgroup it is takes that shell as it is."""
+    with pool_in_cgroups(mode, tmp_path, monkeypatch) as (groups, pool):
+        ahead = groups.create("ready-ahead")
+        spec = spec_for("cat /proc/self/cgroup", tmp_path, ahead)
+        pool.refill(spec)
+        pool.offer([ahead.joined_in_order()])
+        assert pool.placing
+        pool.place_waiting()
+        waiting = pool.idle[0]
+        assert not pool.placing and waiting.placed == ahead.joined_in_order()
+        assert ahead.pids() == [waiting.pid]  # in it before the call, and alone
+        with monkeypatch.context() as patch:
+            patch.setattr(command_host, "_move", refuse_moves)
+            shell = pool.take(spec)
+        assert shell is not None and shell.pid == waiting.pid
+        stdout, _, code = collect(shell.pid, shell.outputs)
     assert code == 0
     assert "/ready-ahead\n" in stdout
 
@@ -261,65 +270,50 @@ def test_a_shell_waiting_elsewhere_is_moved_and_its_cgroup_offered_again(tmp_pat
     """The call's cgroup holds no shell (the daemon took another than the host filled): the
     idle shell is moved in at the call, as without cgroups made ahead, and the cgroup it
     left waits for the next shell."""
-    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
-        assert groups is not None
-        pool = command_host.ShellPool(spawner, 1)
-        try:
-            ahead, other = groups.create("ready-one"), groups.create("ready-two")
-            spec = spec_for("true", tmp_path)
-            pool.refill(spec)
-            pool.offer([ahead.joined_in_order()])
-            pool.place_waiting()
-            shell = pool.take(in_cgroup(spec, other))
-            assert shell is not None and other.pids() == [shell.pid] and ahead.pids() == []
-            assert pool.places == [ahead.joined_in_order()]
-            collect(shell.pid, shell.outputs)
-        finally:
-            pool.clear()
+    with pool_in_cgroups(mode, tmp_path, monkeypatch) as (groups, pool):
+        ahead, other = groups.create("ready-one"), groups.create("ready-two")
+        spec = spec_for("true", tmp_path)
+        pool.refill(spec)
+        pool.offer([ahead.joined_in_order()])
+        pool.place_waiting()
+        shell = pool.take(in_cgroup(spec, other))
+        assert shell is not None and other.pids() == [shell.pid] and ahead.pids() == []
+        assert pool.places == [ahead.joined_in_order()]
+        collect(shell.pid, shell.outputs)
 
 
 @pytest.mark.parametrize("mode", CGROUP_MODES)
 def test_a_fresh_spawn_into_a_cgroup_a_shell_waits_in_ends_that_shell(tmp_path, monkeypatch, mode):
     """A command the waiting shell cannot run (another environment here) gets the cgroup
     to itself: the shell is ended, and the cgroup is no longer on offer."""
-    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
-        assert groups is not None
-        pool = command_host.ShellPool(spawner, 1)
-        try:
-            ahead = groups.create("ready-taken")
-            pool.refill(spec_for("true", tmp_path))
-            pool.offer([ahead.joined_in_order()])
-            pool.place_waiting()
-            waiting = pool.idle[0]
-            other = in_cgroup(spec_for("true", tmp_path, env={**ENV, "X": "1"}), ahead)
-            pool.claim(other)
-            assert pool.take(other) is None
-            pool.vacate(other)
-            assert not pool.idle
-            # Gone and reaped before the fresh spawn: a zombie would still count against
-            # the cgroup's pids.max.
-            with pytest.raises(ChildProcessError):
-                os.waitpid(waiting.pid, os.WNOHANG)
-            assert ahead.pids() == []
-        finally:
-            pool.clear()
+    with pool_in_cgroups(mode, tmp_path, monkeypatch) as (groups, pool):
+        ahead = groups.create("ready-taken")
+        pool.refill(spec_for("true", tmp_path))
+        pool.offer([ahead.joined_in_order()])
+        pool.place_waiting()
+        waiting = pool.idle[0]
+        other = in_cgroup(spec_for("true", tmp_path, env={**ENV, "X": "1"}), ahead)
+        pool.claim(other)
+        assert pool.take(other) is None
+        pool.vacate(other)
+        assert not pool.idle
+        # Gone and reaped before the fresh spawn: a zombie would still count against
+        # the cgroup's pids.max.
+        with pytest.raises(ChildProcessError):
+            os.waitpid(waiting.pid, os.WNOHANG)
+        assert ahead.pids() == []
 
 
 @pytest.mark.parametrize("mode", CGROUP_MODES)
 def test_an_idle_shell_offered_a_cgroup_that_went_waits_on_unharmed(tmp_path, monkeypatch, mode):
-    with command_cgroups(mode, tmp_path / "state") as groups, fast_only(monkeypatch) as spawner:
-        assert groups is not None
-        pool = command_host.ShellPool(spawner, 1)
-        try:
-            gone = groups.create("ready-gone")
-            pool.refill(spec_for("true", tmp_path))
-            waiting = pool.idle[0]
-            pool.offer([gone.joined_in_order()])
-            assert gone.remove()  # root's clean-up of empty cgroups, from outside
-            pool.place_waiting()
-            assert pool.idle == [waiting] and pool.places == [] and not pool.placing
-        finally:
-            pool.clear()
+    with pool_in_cgroups(mode, tmp_path, monkeypatch) as (groups, pool):
+        gone = groups.create("ready-gone")
+        pool.refill(spec_for("true", tmp_path))
+        waiting = pool.idle[0]
+        pool.offer([gone.joined_in_order()])
+        assert gone.remove()  # root's clean-up of empty cgroups, from outside
+        pool.place_waiting()
+        assert pool.idle == [waiting] and pool.places == [] and not pool.placing
 
 
 def test_a_calls_cgroup_is_never_offered_again(tmp_path):
