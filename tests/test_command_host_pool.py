@@ -316,6 +316,26 @@ def test_an_idle_shell_offered_a_cgroup_that_went_waits_on_unharmed(tmp_path, mo
         assert pool.idle == [waiting] and pool.places == [] and not pool.placing
 
 
+@pytest.mark.parametrize("mode", CGROUP_MODES)
+def test_a_refused_placement_gives_up_the_cgroup_and_never_repeats(tmp_path, monkeypatch, mode):
+    """The host's loop places whenever a shell waits unplaced and a cgroup is on offer: a
+    move refused for a reason that stays (EACCES here) must give up the cgroup, or the loop
+    would come back to the same failure at once, forever."""
+    with pool_in_cgroups(mode, tmp_path, monkeypatch) as (groups, pool):
+        refusing = groups.create("ready-refusing")
+        pool.refill(spec_for("true", tmp_path))
+        waiting = pool.idle[0]
+        pool.offer([refusing.joined_in_order()])
+
+        def refuse(procs: str, pid: int) -> None:
+            raise PermissionError(errno.EACCES, "refused", procs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(command_host, "_move", refuse)
+            pool.place_waiting()
+        assert pool.idle == [waiting] and pool.places == [] and not pool.placing
+
+
 def test_a_calls_cgroup_is_never_offered_again(tmp_path):
     """`claim`: once a spawn names a cgroup, an offer of it (one still on its way when the
     call was sent) is refused, and one on offer is withdrawn."""

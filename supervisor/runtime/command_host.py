@@ -231,10 +231,12 @@ class ShellPool:
 
     def place_waiting(self) -> None:
         """Put each idle shell that waits in the host's own cgroup in one on offer, as root,
-        by pid: the move a call then no longer makes. When a move fails, a cgroup that is
-        gone leaves the offer (the shell waits on where it is) and one still whole stays on
-        it; a shell moved into part of a cgroup only is ended, as it is in no one cgroup."""
-        half_moved: list[IdleShell] = []
+        by pid: the move a call then no longer makes. Each failed move gives up the shell or
+        the cgroup, so the host's loop never comes back to the same failure: a shell that is
+        gone (ESRCH) or was moved into part of the cgroup only is ended, and the cgroup stays
+        on offer while all of it is there; a cgroup that refused a shell moved nowhere (it
+        went, or is no leaf) leaves the offer, and the shell waits on where it is."""
+        ended: list[IdleShell] = []
         for index, shell in enumerate(self.idle):
             if shell.placed or not self.places:
                 continue
@@ -244,14 +246,14 @@ class ShellPool:
                 for directory in place:
                     _move(os.path.join(directory, "cgroup.procs"), shell.pid)
                     moved += 1
-            except OSError:
-                if all(os.path.isdir(directory) for directory in place):
-                    self.places.insert(0, place)
-                if moved:
-                    half_moved.append(shell)
+            except OSError as exc:
+                if moved or exc.errno == errno.ESRCH:
+                    ended.append(shell)
+                    if all(os.path.isdir(directory) for directory in place):
+                        self.places.insert(0, place)
                 continue
             self.idle[index] = shell._replace(placed=place)
-        for shell in half_moved:
+        for shell in ended:
             self.idle.remove(shell)
             self._kill(shell)
 
