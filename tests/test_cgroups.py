@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -666,6 +667,58 @@ async def test_cgroups_made_ahead_go_to_pooled_calls_when_offered_and_are_skippe
         for cgroup in [c for c in mode_cgroups.existing() if c not in (plain, offered[0])]:
             assert cgroup.remove()  # root's clean-up of empty cgroups, from outside
         assert ready.take(pooled=False) is None  # the removed ones are not handed out
+
+
+@parametrize_modes
+async def test_a_finished_commands_cgroup_is_removed_off_the_event_loop(store, tmp_path, mode_cgroups, monkeypatch):
+    """An rmdir of a cgroup can wait milliseconds for the kernel to take the group offline:
+    `_forget` hands it to a worker thread (ReadyCgroups.retire), never the event loop's."""
+    removals: list[tuple[str, bool]] = []  # (cgroup name, on the event loop's thread)
+    remove = cgroups.CommandCgroup.remove
+
+    def recording(self: cgroups.CommandCgroup) -> bool:
+        removals.append((self.name, threading.current_thread() is threading.main_thread()))
+        return remove(self)
+
+    monkeypatch.setattr(cgroups.CommandCgroup, "remove", recording)
+    async with runtime(store, tmp_path, mode_cgroups) as rig:
+        for _ in range(2):  # the first makes its own cgroup, the second takes one made ahead
+            result, _ = await rig.run("true")
+            assert result["exit_code"] == 0
+        with trio.fail_after(DEADLINE_S):
+            # Removed, not just attempted.
+            while (
+                rig.shell.commands
+                or len(removals) < 2
+                or {name for name, _ in removals} & {c.name for c in mode_cgroups.existing()}
+            ):
+                await trio.sleep(POLL_S)
+        assert len(removals) == 2 and not any(on_loop for _, on_loop in removals), removals
+        assert any(name.startswith(READY_PREFIX) for name, _ in removals)
+
+
+@parametrize_modes
+async def test_a_retired_cgroup_still_busy_is_logged_and_left(mode_cgroups, log_lines):
+    busy = mode_cgroups.create("11111111-1111-4111-8111-111111111111")
+    empty = mode_cgroups.create("22222222-2222-4222-8222-222222222222")
+    member = subprocess.Popen(["sleep", "60"])
+    try:
+        Path(busy.membership, "cgroup.procs").write_text(str(member.pid))
+        async with trio.open_nursery() as nursery:
+            ready = ReadyCgroups(mode_cgroups, nursery)
+            ready.retire(busy.name, busy)
+            ready.retire(empty.name, empty)
+        # The nursery waited for the removal: the empty one is gone, the busy one stays.
+        assert not os.path.isdir(empty.membership) and os.path.isdir(busy.membership)
+        failed = [line for line in log_lines() if line["event"] == "process.cgroup_remove_failed"]
+        assert [line["call_id"] for line in failed] == [busy.name]
+    finally:
+        member.kill()
+        member.wait()
+    with trio.fail_after(DEADLINE_S):
+        while busy.pids():
+            await trio.sleep(POLL_S)
+    assert busy.remove()
 
 
 @parametrize_modes

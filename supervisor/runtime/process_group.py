@@ -158,10 +158,6 @@ class ProcessGroup:
         """The cgroup's memory limit OOM-killed a process of the command."""
         return self.cgroup is not None and self.cgroup.oom_kills() > 0
 
-    def release(self) -> bool:
-        """Remove the cgroup once nothing is left in it; False when it is still busy."""
-        return self.cgroup is None or self.cgroup.remove()
-
     async def wait(self) -> int:
         """Wait for the leader to exit (and reap it); its return code."""
         return await self.process.wait()

@@ -729,10 +729,11 @@ class ShellRuntime:
     def _forget(self, command: Command) -> None:
         self._lingering.discard(command.group)
         self.commands.pop(command.call_id, None)
-        if not command.group.release():
-            # Still busy (a member between exit and its removal from the cgroup): the next
-            # start removes it with the leftovers.
-            log.warning("process.cgroup_remove_failed", call_id=command.call_id)
+        # Removed by a worker thread once this task yields, so after the call's result
+        # (a command has a cgroup exactly when cgroups are enabled, as ready_cgroups is).
+        cgroup = command.group.cgroup
+        if cgroup is not None and self.ready_cgroups is not None:
+            self.ready_cgroups.retire(command.call_id, cgroup)
         # Deleted with the next write transaction (the call's result, when it is forgotten
         # as it completes), at the latest DEFERRED_FLUSH_S from now. A stale row, should the
         # daemon die first, only costs a check at the next start: its start time no longer
