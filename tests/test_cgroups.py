@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from cgroup_support import (
     cgroup1_unavailable,
@@ -29,7 +30,7 @@ from cgroup_support import (
     v1_memory_unavailable,
 )
 from sandbox_supervisor.protocol.frames import EXEC_COMPLETED, ExecCompletedBody
-from sandbox_supervisor.daemon.runtime import cgroups
+from sandbox_supervisor.daemon.runtime import cgroups, ready_cgroups
 from sandbox_supervisor.daemon.runtime.cgroups import (
     CgroupMounts,
     Plan,
@@ -352,11 +353,10 @@ async def test_a_setsid_child_dies_on_timeout(store, tmp_path, mode_cgroups):
             await wait_dead(escaped)
         finally:
             kill_quietly(escaped)
-        # Forgotten once empty, and its cgroup removed.
+        # Forgotten once empty, and its cgroup removed (by a worker thread, soon after).
         with trio.fail_after(DEADLINE_S):
-            while rig.shell.commands:
+            while rig.shell.commands or command_cgroups(mode_cgroups):
                 await trio.sleep(POLL_S)
-        assert command_cgroups(mode_cgroups) == []
 
 
 @parametrize_modes
@@ -426,7 +426,9 @@ async def test_background_output_after_exit_still_arrives_and_the_cgroup_lingers
                 await trio.sleep(POLL_S)
         spooled = (store.path.parent / "spool" / call_id / "stdout").read_bytes()
         assert spooled == b"early\nlate\n"
-        assert command_cgroups(mode_cgroups) == []
+        with trio.fail_after(DEADLINE_S):  # removed by a worker thread once forgotten
+            while command_cgroups(mode_cgroups):
+                await trio.sleep(POLL_S)
 
 
 @parametrize_modes
@@ -719,6 +721,38 @@ async def test_a_retired_cgroup_still_busy_is_logged_and_left(mode_cgroups, log_
         while busy.pids():
             await trio.sleep(POLL_S)
     assert busy.remove()
+
+
+@parametrize_modes
+async def test_retired_cgroups_go_in_one_hop_a_burst_or_with_a_refill(mode_cgroups, monkeypatch):
+    """Waking a worker costs the loop about what an rmdir does: the cgroups of commands that
+    finish close together are removed in one hop, and a refill's hop takes those queued."""
+    batches: list[tuple[bool, list[str]]] = []  # (removed in a refill's hop, their names)
+    remove_all = ready_cgroups.remove_all
+
+    def recording(retired: list[tuple[str, cgroups.CommandCgroup]]) -> list[str]:
+        batches.append((sys._getframe(1).f_code.co_name == "_make_after", [name for name, _ in retired]))
+        return remove_all(retired)
+
+    monkeypatch.setattr(ready_cgroups, "remove_all", recording)
+    burst = [mode_cgroups.create(f"3333333{i}-3333-4333-8333-333333333333") for i in range(3)]
+    async with trio.open_nursery() as nursery:
+        ready = ReadyCgroups(mode_cgroups, nursery)
+        ready.retire(burst[0].name, burst[0])
+        await trio.testing.wait_all_tasks_blocked()  # the next command comes a moment later
+        for cgroup in burst[1:]:
+            ready.retire(cgroup.name, cgroup)
+    assert batches == [(False, [cgroup.name for cgroup in burst])]
+    assert not any(os.path.isdir(cgroup.membership) for cgroup in burst)
+
+    batches.clear()
+    late = mode_cgroups.create("44444444-4444-4444-8444-444444444444")
+    async with trio.open_nursery() as nursery:
+        ready = ReadyCgroups(mode_cgroups, nursery)
+        ready.retire(late.name, late)
+        assert ready.take(pooled=False) is None  # none ready: the refill starts, with the retired one
+    assert batches == [(True, [late.name])]  # the refill's hop, and no other
+    assert not os.path.isdir(late.membership) and ready.ready == READY_TARGET
 
 
 @parametrize_modes
