@@ -19,9 +19,10 @@ before, so after an agent's pause a move takes 10-15 ms on a stock kernel (docs/
   cgroup, which may hold an idle shell; the host ends one it finds in a fresh spawn's cgroup.
 
 A finished command's cgroup is removed behind it too (`retire`), by a worker thread, after its
-call's result is journaled, together with others (a burst's, or in a refill's hop). An rmdir of a cgroup waits for the kernel to take the group
-offline: 30-80 µs mostly, but 3.5 ms at the 90th percentile and up to 20 ms on the benchmark
-machine, on the event loop and ahead of the result before this.
+call's result is journaled, with the others queued by then (a burst's, or in a refill's hop).
+An rmdir of a cgroup waits for the kernel to take the group offline: 30-80 µs mostly, but
+3.5 ms at the 90th percentile and up to 20 ms on the benchmark machine, which the event loop
+(and often the call's result) waited for before.
 
 A cgroup so named says nothing about its call: the process record keeps its name
 (`StateStore.start_process`), and a restart adopts, signals and keeps a command's cgroup by

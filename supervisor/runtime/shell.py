@@ -729,8 +729,8 @@ class ShellRuntime:
     def _forget(self, command: Command) -> None:
         self._lingering.discard(command.group)
         self.commands.pop(command.call_id, None)
-        # Removed by a worker thread once this task yields, so after the call's result
-        # (a command has a cgroup exactly when cgroups are enabled, as ready_cgroups is).
+        # Removed by a worker thread after the call's result, with others (ReadyCgroups.retire);
+        # a command has a cgroup exactly when cgroups are enabled, and so ready_cgroups is set.
         cgroup = command.group.cgroup
         if cgroup is not None and self.ready_cgroups is not None:
             self.ready_cgroups.retire(command.call_id, cgroup)
