@@ -524,7 +524,9 @@ def test_a_timeout_ends_a_process_that_obeys_sigterm(holder_dir):
 
 def test_terminate_kills_after_the_grace_and_is_not_a_timeout(holder_dir):
     directory = holder_dir()
-    launch_holder(directory, sh("trap '' TERM; sleep 30", stdin="null", kill_grace_s=0.2))
+    launch_holder(directory, sh("trap '' TERM; echo ready; sleep 30", stdin="null", kill_grace_s=0.2))
+    # Terminated only once the trap is set: a SIGTERM before it ends the shell at once.
+    wait_until(lambda: spool_text(directory) == "ready\n", "the trap")
     with Control(directory) as control:
         assert control.request(encode_terminate()).ok
         record = wait_for_exit(directory)
