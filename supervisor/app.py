@@ -700,6 +700,7 @@ async def run_supervisor(
                     assert daemon.shell is not None  # start_runtime made it
                     adopt(pending, adoption_env, daemon.journal, daemon.shell)
                 nursery.start_soon(retry_deferred_acks, daemon.journal)
+                nursery.start_soon(daemon.journal.wake_held)
                 nursery.start_soon(give_space_back, daemon.store)
                 if metrics_front is not None:
                     metrics_front.daemon = daemon

@@ -98,6 +98,98 @@ async def test_a_reply_and_the_events_after_it_go_out_in_one_write(tmp_path):
         store.close()
 
 
+CALL_ID = "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21"
+
+
+def exec_started(pid: int = 4242) -> dict:
+    return {"call_id": CALL_ID, "pid": pid, "pgid": pid, "command": "true", "cwd": "/", "started_at": 1.7e9,
+            "context": {"session_id": "s-1", "generation": 1, "idempotency_key": None}}
+
+
+def exec_completed() -> dict:
+    summary = {"bytes": 0, "head": "", "tail": "", "truncated": False}
+    return {"call_id": CALL_ID, "exit_code": 0, "signal": None, "timed_out": False, "duration_ms": 1,
+            "stdout": summary, "stderr": summary, "interrupted": False}
+
+
+async def test_a_held_exec_started_goes_out_with_the_commands_next_events_in_one_write(tmp_path):
+    """A command's exec.started is committed at once but its send waits for what follows
+    (its exec.completed and result): one write for the three, nothing written before."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        sender = SocketSender(ws, journal, cursor=0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(journal.wake_held)
+            nursery.start_soon(sender.run)
+            await trio.testing.wait_all_tasks_blocked()
+            rows = journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
+            assert journal.last_seq == rows[-1].seq == 1  # committed, only not sent
+            await trio.testing.wait_all_tasks_blocked()
+            assert counted.writes == []
+            journal.complete_call(None, tool_result(1), preceding=[("exec.completed", exec_completed())])
+            received = [await client.get_message() for _ in range(3)]
+            nursery.cancel_scope.cancel()
+        assert ['"exec.started"' in received[0], '"exec.completed"' in received[1], '"tool.result"' in received[2]] == [True] * 3
+        assert len(counted.writes) == 1, counted_writes(counted)
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
+async def test_a_held_event_that_nothing_follows_is_sent_once_its_hold_is_over(tmp_path):
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        sender = SocketSender(ws, journal, cursor=0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(journal.wake_held)
+            nursery.start_soon(sender.run)
+            await trio.testing.wait_all_tasks_blocked()
+            held_at = trio.current_time()
+            journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=0.2)
+            # A second hold does not push the first one's send back.
+            journal.start_process("1c7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", 4343, 4343, 1, exec_started(4343), hold_s=60.0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert counted.writes == []
+            received = [await client.get_message() for _ in range(2)]
+            sent_after = trio.current_time() - held_at
+            nursery.cancel_scope.cancel()
+        assert ['"seq":1' in received[0], '"seq":2' in received[1]] == [True, True]
+        assert 0.2 <= sent_after < 60.0
+        assert len(counted.writes) == 1, counted_writes(counted)
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
+async def test_nothing_is_held_while_the_journal_has_no_task_to_end_holds(tmp_path):
+    # Without `wake_held` (a journal used outside the daemon, or after its stop), a hold
+    # would be a send that may never come: the senders are woken at once instead.
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        sender = SocketSender(ws, journal, cursor=0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender.run)
+            await trio.testing.wait_all_tasks_blocked()
+            journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
+            assert '"exec.started"' in await client.get_message()
+            nursery.cancel_scope.cancel()
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
 async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection_closed():
     # Review finding: the batch's first write is under way when the peer's Close arrives;
     # the next message must end the batch with ConnectionClosed (what the sender handles),

@@ -7,12 +7,14 @@ import base64
 import hashlib
 import os
 import sys
+import time
 import uuid
 
 import pytest
 import trio
 
 from sandbox_supervisor.daemon.runtime.processes import group_members, read_stat
+from sandbox_supervisor.daemon.runtime.shell import EXEC_STARTED_HOLD_S
 from sandbox_supervisor.daemon.runtime.spool import read_state, spool_dir, stream_path
 from sandbox_supervisor.testing.daemon import in_process_daemon, make_layout
 
@@ -74,6 +76,21 @@ async def test_exit_code_and_stream_separation(session):
     # exec.completed precedes tool.result, and every exec event precedes both.
     kinds = [f["kind"] for s, f in sorted(session.client.state.events.items()) if f["body"].get("call_id") == call_id]
     assert kinds[0] == "exec.started" and kinds[-2:] == ["exec.completed", "tool.result"]
+
+
+async def test_a_silent_commands_exec_started_is_held_then_sent_while_it_still_runs(session):
+    """exec.started waits up to EXEC_STARTED_HOLD_S for the command's next event, so that a
+    short command's events go out together; a command silent for longer gets its
+    exec.started once the hold is over, while it runs, never only with its result."""
+    call_id = await session.call("execute_shell_command", {"command": "sleep 30"}, idempotency_key=f"k-{uuid.uuid4()}")
+    frame = await session.receive_until(lambda f: f["kind"] == "exec.started" and f["body"]["call_id"] == call_id)
+    arrived = time.time()
+    # started_at is read before the commit that starts the hold.
+    assert arrived - frame["body"]["started_at"] >= EXEC_STARTED_HOLD_S
+    assert events_of(session, call_id, "tool.result") == []  # still running
+    await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
+    result = await session.result(call_id)
+    assert result["ok"] is True and result["result"]["signal"] == "SIGKILL"
 
 
 async def test_killed_by_signal_is_still_ok(session):

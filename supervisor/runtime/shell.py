@@ -93,6 +93,13 @@ DEFAULT_TERM = "xterm-256color"
 # process costs both cores on the call's path) and the record costs no transaction of its
 # own. What no command carries is sent and deleted this much later.
 DEFERRED_FLUSH_S = 0.05
+# How long a command's exec.started, once journaled, may wait to be sent with the command's
+# next event (its first output, or its exec.completed and result): most commands an agent
+# runs end or print within this, and then the client is sent one write and woken once for
+# the command instead of twice (on two cores, that wake-up took the CPU the command's own
+# path was waiting for). A command silent for longer has its exec.started sent this much
+# after its start. Held processes (start_process) are not held: their start is their answer.
+EXEC_STARTED_HOLD_S = 0.01
 # exec.signal's names (protocol.frames.Signal) to their numbers.
 SIGNALS: dict[str, signal.Signals] = {name: signal.Signals[name] for name in get_args(Signal)}
 
@@ -663,6 +670,7 @@ class ShellRuntime:
             commands_origin(ctx.allowed_commands),
             # A cgroup made ahead is named apart from the call: the record keeps its name.
             None if cgroup is None or cgroup.name == call.call_id else cgroup.name,
+            hold_s=EXEC_STARTED_HOLD_S,
         )
 
     async def _abandon(self, command: Command) -> None:

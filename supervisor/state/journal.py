@@ -8,9 +8,12 @@ one path and nothing can be skipped or reordered at the seam between them.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import trio
 
 from sandbox_supervisor.protocol.frames import encode_withheld
 from sandbox_supervisor.daemon.state.keys import CallKey
@@ -35,6 +38,11 @@ class Journal:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._listeners: set[Callable[[], None]] = set()
+        # Held events (`_appended`'s `hold_s`): the trio time by which the senders must be
+        # woken for them (inf: none held), and the sleep of `wake_held` that keeps it, while
+        # that task runs. Without it nothing is held.
+        self._held_until = math.inf
+        self._held_scope: trio.CancelScope | None = None
         # The highest seq committed, kept here so a sender can tell "nothing new" without a
         # query. Everything that appends after start goes through this class.
         snapshot = store.snapshot()
@@ -142,7 +150,9 @@ class Journal:
     def unsubscribe(self, wake: Callable[[], None]) -> None:
         self._listeners.discard(wake)
 
-    def _appended(self, rows: list[JournalRow]) -> None:
+    def _appended(self, rows: list[JournalRow], hold_s: float | None = None) -> None:
+        """Keep the committed rows for the senders and wake them; with `hold_s`, wake them
+        only at the next append or after `hold_s`, whichever comes first (`wake_held`)."""
         if rows:
             self.last_seq = max(self.last_seq, rows[-1].seq)
             self.recent.extend(rows)
@@ -153,8 +163,36 @@ class Journal:
                 len(row.frame) if row.frame.isascii() else len(row.frame.encode("utf-8")) for row in rows
             )
             self._trim_recent()
+        scope = self._held_scope
+        if hold_s is not None and scope is not None:
+            due = trio.current_time() + hold_s
+            if due < self._held_until:
+                self._held_until = scope.deadline = due
+            return
+        if self._held_until != math.inf:
+            # Sent now with these rows: the hold is over.
+            self._held_until = math.inf
+            if scope is not None:
+                scope.deadline = math.inf
+        self._wake_listeners()
+
+    def _wake_listeners(self) -> None:
         for wake in list(self._listeners):
             wake()
+
+    async def wake_held(self) -> None:
+        """Wake the senders once a held event's hold is over and nothing appended since has
+        sent it (`_appended`). Runs for the daemon's life; while it does not, nothing is
+        held. A stop's last flush (SessionHub.flush_all) wakes every sender itself."""
+        while True:
+            with trio.CancelScope(deadline=self._held_until) as scope:
+                self._held_scope = scope
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    self._held_scope = None
+            self._held_until = math.inf
+            self._wake_listeners()
 
     def append(self, events: Sequence[tuple[str, dict[str, Any]]], origin: str | None = None) -> list[JournalRow]:
         """Commit events (dense seqs) and wake the senders; `origin`: see StateStore."""
@@ -190,10 +228,12 @@ class Journal:
         started_body: dict[str, Any],
         origin: str | None = None,
         cgroup: str | None = None,
+        hold_s: float | None = None,
     ) -> list[JournalRow]:
-        """Record a spawned process group and journal its exec.started, in one transaction."""
+        """Record a spawned process group and journal its exec.started, in one transaction;
+        `hold_s`: how long its send may wait for the command's next event (`_appended`)."""
         rows = self.store.start_process(call_id, pid, pgid, start_ticks, started_body, origin, cgroup)
-        self._appended(rows)
+        self._appended(rows, hold_s)
         return rows
 
     def start_held(self, record: HeldRecord, started_body: dict[str, Any]) -> list[JournalRow]:
