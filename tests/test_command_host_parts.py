@@ -108,3 +108,41 @@ async def test_a_bug_while_completing_an_adopted_call_does_not_stop_the_daemon(t
             assert shell.adopted == {}  # released, and the nursery ended without an error
     finally:
         store.close()
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the steps (resumptions) of one task."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def test_a_spawn_waits_for_the_hosts_answer_and_for_nothing_else(tmp_path):
+    """Each pass of the event loop is paid on every command's way: a spawn takes the free lock,
+    sends its request and reads the answer without yielding (trio's Lock and socket methods
+    yield even when they need not wait). What is left is the wait for the answer itself."""
+    spec = HolderSpec(argv=("/bin/sh", "-c", "exit 3"), cwd=str(tmp_path), env={"PATH": "/usr/bin:/bin"}, stdin="null")
+    host = CommandHost()
+    try:
+        for name in ("warm", "c1"):
+            (tmp_path / name).mkdir()
+        with trio.fail_after(DEADLINE_S):
+            first = await host.spawn("warm", tmp_path / "warm", spec)  # starts the host itself
+            assert await first.wait() == 3
+            counter = _Steps(trio.lowlevel.current_task())
+            trio.lowlevel.add_instrument(counter)
+            try:
+                process = await host.spawn("c1", tmp_path / "c1", spec)
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            assert await process.wait() == 3
+        # One resumption once the answer is readable (a second only for a spurious wake-up);
+        # the lock, the send and the read after it each cost one more before.
+        assert counter.steps <= 2, counter.steps
+    finally:
+        await host.aclose()

@@ -130,7 +130,15 @@ class CommandHost:
         # lock, which is FIFO: requests reach the host in the order their callers took their
         # cgroups (ready_cgroups.py), so no offer of a cgroup arrives after its call.
         with trio.CancelScope(shield=True):
-            async with self._lock:
+            try:
+                # A free lock is taken without a checkpoint (the usual case: one spawn at a
+                # time), as a waiter's turn would be: `async with` yields even then, one
+                # more pass of the event loop on every command's way. Free means nobody
+                # waits (a release hands the lock to the first waiter), so the order holds.
+                self._lock.acquire_nowait()
+            except trio.WouldBlock:
+                await self._lock.acquire()
+            try:
                 if len(message) > INLINE_SPEC_MAX_BYTES:
                     # A datagram must fit the socket's send buffer (2 × net.core.wmem_max: 416
                     # KiB on a stock kernel); a large environment goes by file, in the call's
@@ -145,6 +153,8 @@ class CommandHost:
                         await self._discard(sock, "did not answer a spawn")
                     raise OSError(f"the command host ended or did not answer within {SPAWN_TIMEOUT_S} s")
                 reply: dict[str, Any] = answer
+            finally:
+                self._lock.release()
         if reply.get("op") == "failed":
             raise SpawnFailed(str(reply.get("stage")), int(reply.get("errno") or 0), str(reply.get("message")))
         process = self._processes.get(call_id)
@@ -166,10 +176,18 @@ class CommandHost:
         spawn alone, never the host and the commands it keeps."""
         for attempt in range(2):
             sock = await self._connect()
+            raw = self._raw
+            assert raw is not None  # set with the socket
             self._reply = None
             try:
                 self._flush_unsent()
-                await sock.send(message)
+                try:
+                    # Sent at once (the usual case: the host reads its requests as they come):
+                    # trio's send yields after a send that went through, a pass of the event
+                    # loop on every command's way. A full buffer waits as trio waits.
+                    raw.send(message)
+                except BlockingIOError:
+                    await sock.send(message)
                 return sock
             except (BrokenPipeError, ConnectionResetError, trio.ClosedResourceError):
                 self._lost(sock)
@@ -226,12 +244,12 @@ class CommandHost:
             if self._reading:
                 await self._dispatched.wait()
                 continue
+            raw = self._raw
+            assert raw is not None  # set with the socket
             self._reading = True
             try:
                 try:
-                    data, ancillary, _flags, _addr = await sock.recvmsg(
-                        MAX_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC
-                    )
+                    data, ancillary = await _receive_message(sock, raw)
                 except (OSError, trio.ClosedResourceError):
                     data, ancillary = b"", []
                 self._dispatch(sock, data, _received_fds(ancillary))
@@ -239,6 +257,10 @@ class CommandHost:
                 self._reading = False
                 woken, self._dispatched = self._dispatched, trio.Event()
                 woken.set()
+            if not condition():
+                # Someone else's message (another command's exit): the others it woke run
+                # before this reader reads on.
+                await trio.lowlevel.checkpoint()
 
     def _dispatch(self, sock: trio.socket.SocketType, data: bytes, fds: list[int]) -> None:
         if not data:
@@ -366,6 +388,19 @@ def _spec_by_file(request: dict[str, Any], directory: Path, spec: HolderSpec) ->
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(spec.to_json(), handle)
     return json.dumps({**request, "spec_file": HOST_SPEC_FILE}).encode()
+
+
+async def _receive_message(sock: trio.socket.SocketType, raw: socket.socket) -> tuple[bytes, list[tuple[int, int, bytes]]]:
+    """The host's next message and its ancillary data: read at once when one is waiting,
+    else once the socket is readable. trio's recvmsg yields after a read that succeeded as
+    well, a pass of the event loop on each of a command's two answers (spawned, exited).
+    Errors are the socket's; ClosedResourceError when it is closed meanwhile."""
+    while True:
+        try:
+            data, ancillary, _flags, _addr = raw.recvmsg(MAX_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC)
+            return data, ancillary
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(sock)
 
 
 def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -310,7 +310,9 @@ class CommandOutput:
         full one is followed by the next read without a pass of the scheduler, up to
         DRAIN_BYTES_PER_CHECKPOINT. The same errors as receive_some's."""
         view = _read_buffer()
-        await trio.lowlevel.checkpoint()
+        # No checkpoint before the first read: the task was just started (a pass of the
+        # event loop already), and a command that has ended (or printed) is read at once,
+        # which for a short command is all its reader does.
         since_checkpoint = 0
         while True:
             try:

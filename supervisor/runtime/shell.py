@@ -467,8 +467,11 @@ class ShellRuntime:
             raise
         # Descendants in the background may hold the pipes open: report once they close, or
         # after the grace, whichever comes first; what they print later is after_exit.
-        with trio.move_on_after(COMPLETION_GRACE_S):
-            await command.output.closed.wait()
+        # Mostly they closed with the shell already: then without a scope and a checkpoint
+        # (a pass of the event loop on every command's way).
+        if not command.output.closed.is_set():
+            with trio.move_on_after(COMPLETION_GRACE_S):
+                await command.output.closed.wait()
         exit_code, signame = describe_exit(returncode)
         running.final_events.extend(command.output.final_events(trio.current_time() * 1000))
         result: dict[str, Any] = {
