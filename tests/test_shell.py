@@ -93,6 +93,34 @@ async def test_a_silent_commands_exec_started_is_held_then_sent_while_it_still_r
     assert result["ok"] is True and result["result"]["signal"] == "SIGKILL"
 
 
+class _Spawns(trio.abc.Instrument):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+async def test_a_command_that_prints_nothing_starts_no_live_output_task(session):
+    """The flusher of the live view starts with a command's first bytes: a silent command
+    never pays for it, and a command that prints still has its output streamed."""
+    spawns = _Spawns()
+    trio.lowlevel.add_instrument(spawns)
+    try:
+        silent, _ = await run_collect(session, "true")
+        flushers_silent = sum("_flush_live" in name for name in spawns.names)
+        spawns.names.clear()
+        printed, call_id = await run_collect(session, "echo hi")
+        flushers_printed = sum("_flush_live" in name for name in spawns.names)
+    finally:
+        trio.lowlevel.remove_instrument(spawns)
+    assert silent["ok"] is True and silent["result"]["exit_code"] == 0
+    assert flushers_silent == 0
+    assert flushers_printed == 1
+    assert printed["result"]["stdout"]["head"] == "hi\n"
+    assert "".join(e["text"] for e in events_of(session, call_id, "exec.output")) == "hi\n"
+
+
 async def test_killed_by_signal_is_still_ok(session):
     result, _ = await run_collect(session, "kill -KILL $$")
     assert result["ok"] is True

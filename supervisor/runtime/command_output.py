@@ -2,9 +2,10 @@
 
 Each of stdout and stderr is read by one task that writes every byte to the stream's spool
 (lossless, on disk, capped), its live view (bounded, lossy) and its head/tail summary; a
-flusher task turns the live views into throttled `exec.output` events in the journal. The
-tasks run until the call has completed *and* both pipes have closed: output from background
-descendants keeps arriving (`after_exit: true`) after the call has completed.
+flusher task, started with the first bytes read, turns the live views into throttled
+`exec.output` events in the journal. The tasks run until the call has completed *and* both
+pipes have closed: output from background descendants keeps arriving (`after_exit: true`)
+after the call has completed.
 
 `SpoolBudget` keeps the total size of all spools under `exec.spool_total_max_bytes`, deleting
 the oldest finished ones; when the spools it may not delete (running commands', held
@@ -177,6 +178,10 @@ class CommandOutput:
         self._drained = trio.Event()
         # Where this spool is registered as being written (`open` registers it), until `close`.
         self._being_written = being_written
+        # The readers' nursery while they run (`pump`), and whether the flusher was started
+        # in it (with the first bytes read).
+        self._pump_nursery: trio.Nursery | None = None
+        self._flushing = False
 
     @classmethod
     def open(
@@ -274,9 +279,15 @@ class CommandOutput:
             if set(pipes) != set(self.streams):
                 raise ValueError(f"pump needs one pipe per stream {STREAMS}")
             async with trio.open_nursery() as nursery:
+                self._pump_nursery = nursery
                 for name in STREAMS:
                     nursery.start_soon(self._read, name, pipes[name])
-                nursery.start_soon(self._flush_live)
+            self._pump_nursery = None
+            # Both pipes are closed. A command that printed nothing had no flusher (`_take`
+            # starts it with the first bytes read); its spools stay open until the call has
+            # completed all the same, as the flusher would have kept them.
+            if not self._flushing:
+                await self._drained.wait()
         finally:
             self.finished.set()
             self.close()
@@ -353,6 +364,12 @@ class CommandOutput:
         if self._telemetry is not None:
             self._telemetry.output_spooled(kept)
         self._wake.set()
+        if not self._flushing and self._pump_nursery is not None:
+            # The first bytes: from now on there is a live view to emit. Most commands an
+            # agent runs print something, but many print nothing, and then this task (its
+            # start and its three passes of the event loop) is never paid for.
+            self._flushing = True
+            self._pump_nursery.start_soon(self._flush_live)
 
     async def _flush_live(self) -> None:
         """Emit throttled exec.output events until the call has completed and both streams
