@@ -112,82 +112,69 @@ def exec_completed() -> dict:
             "stdout": summary, "stderr": summary, "interrupted": False}
 
 
+async def with_held_sends(tmp_path, body, *, waker: bool = True) -> None:
+    """A journal on a real store, its sender on a real socket pair, both idle when
+    `body(journal, its recorded stream, client_ws)` starts; with `waker`, the journal's
+    `wake_held` task runs (as in the daemon)."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def run(ws, counted, client):
+        async with trio.open_nursery() as nursery:
+            if waker:
+                nursery.start_soon(journal.wake_held)
+            nursery.start_soon(SocketSender(ws, journal, cursor=0).run)
+            await trio.testing.wait_all_tasks_blocked()
+            await body(journal, counted, client)
+            nursery.cancel_scope.cancel()
+
+    try:
+        await with_pair(run)
+    finally:
+        store.close()
+
+
 async def test_a_held_exec_started_goes_out_with_the_commands_next_events_in_one_write(tmp_path):
     """A command's exec.started is committed at once but its send waits for what follows
     (its exec.completed and result): one write for the three, nothing written before."""
-    store = StateStore.open(tmp_path / "state")
-    journal = Journal(store)
 
-    async def body(ws, counted, client):
-        sender = SocketSender(ws, journal, cursor=0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(journal.wake_held)
-            nursery.start_soon(sender.run)
-            await trio.testing.wait_all_tasks_blocked()
-            rows = journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
-            assert journal.last_seq == rows[-1].seq == 1  # committed, only not sent
-            await trio.testing.wait_all_tasks_blocked()
-            assert counted.writes == []
-            journal.complete_call(None, tool_result(1), preceding=[("exec.completed", exec_completed())])
-            received = [await client.get_message() for _ in range(3)]
-            nursery.cancel_scope.cancel()
+    async def body(journal, counted, client):
+        rows = journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
+        assert journal.last_seq == rows[-1].seq == 1  # committed, only not sent
+        await trio.testing.wait_all_tasks_blocked()
+        assert counted.writes == []
+        journal.complete_call(None, tool_result(1), preceding=[("exec.completed", exec_completed())])
+        received = [await client.get_message() for _ in range(3)]
         assert ['"exec.started"' in received[0], '"exec.completed"' in received[1], '"tool.result"' in received[2]] == [True] * 3
         assert len(counted.writes) == 1, counted_writes(counted)
 
-    try:
-        await with_pair(body)
-    finally:
-        store.close()
+    await with_held_sends(tmp_path, body)
 
 
 async def test_a_held_event_that_nothing_follows_is_sent_once_its_hold_is_over(tmp_path):
-    store = StateStore.open(tmp_path / "state")
-    journal = Journal(store)
-
-    async def body(ws, counted, client):
-        sender = SocketSender(ws, journal, cursor=0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(journal.wake_held)
-            nursery.start_soon(sender.run)
-            await trio.testing.wait_all_tasks_blocked()
-            held_at = trio.current_time()
-            journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=0.2)
-            # A second hold does not push the first one's send back.
-            journal.start_process("1c7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", 4343, 4343, 1, exec_started(4343), hold_s=60.0)
-            await trio.testing.wait_all_tasks_blocked()
-            assert counted.writes == []
-            received = [await client.get_message() for _ in range(2)]
-            sent_after = trio.current_time() - held_at
-            nursery.cancel_scope.cancel()
+    async def body(journal, counted, client):
+        held_at = trio.current_time()
+        journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=0.2)
+        # A second hold does not push the first one's send back.
+        journal.start_process("1c7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", 4343, 4343, 1, exec_started(4343), hold_s=60.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert counted.writes == []
+        received = [await client.get_message() for _ in range(2)]
+        assert 0.2 <= trio.current_time() - held_at < 60.0
         assert ['"seq":1' in received[0], '"seq":2' in received[1]] == [True, True]
-        assert 0.2 <= sent_after < 60.0
         assert len(counted.writes) == 1, counted_writes(counted)
 
-    try:
-        await with_pair(body)
-    finally:
-        store.close()
+    await with_held_sends(tmp_path, body)
 
 
 async def test_nothing_is_held_while_the_journal_has_no_task_to_end_holds(tmp_path):
     # Without `wake_held` (a journal used outside the daemon, or after its stop), a hold
     # would be a send that may never come: the senders are woken at once instead.
-    store = StateStore.open(tmp_path / "state")
-    journal = Journal(store)
+    async def body(journal, counted, client):
+        journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
+        assert '"exec.started"' in await client.get_message()
 
-    async def body(ws, counted, client):
-        sender = SocketSender(ws, journal, cursor=0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(sender.run)
-            await trio.testing.wait_all_tasks_blocked()
-            journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
-            assert '"exec.started"' in await client.get_message()
-            nursery.cancel_scope.cancel()
-
-    try:
-        await with_pair(body)
-    finally:
-        store.close()
+    await with_held_sends(tmp_path, body, waker=False)
 
 
 async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection_closed():
