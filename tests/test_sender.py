@@ -177,6 +177,30 @@ async def test_nothing_is_held_while_the_journal_has_no_task_to_end_holds(tmp_pa
     await with_held_sends(tmp_path, body, waker=False)
 
 
+async def test_a_hold_taken_as_the_holds_task_is_being_cancelled_is_sent_at_once(tmp_path):
+    """The stop cancels `wake_held`; a hold taken after the cancellation but before the
+    task has run again (its scope still in place) has nobody left to end it: the task's
+    exit ends it, so the event is not left waiting for the next append or a replay."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+
+    async def body(ws, counted, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(SocketSender(ws, journal, cursor=0).run)
+            async with trio.open_nursery() as holds:
+                holds.start_soon(journal.wake_held)
+                await trio.testing.wait_all_tasks_blocked()
+                holds.cancel_scope.cancel()
+                journal.start_process(CALL_ID, 4242, 4242, 1, exec_started(), hold_s=60.0)
+            assert '"exec.started"' in await client.get_message()
+            nursery.cancel_scope.cancel()
+
+    try:
+        await with_pair(body)
+    finally:
+        store.close()
+
+
 async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection_closed():
     # Review finding: the batch's first write is under way when the peer's Close arrives;
     # the next message must end the batch with ConnectionClosed (what the sender handles),

@@ -87,7 +87,7 @@ async def test_a_silent_commands_exec_started_is_held_then_sent_while_it_still_r
     arrived = time.time()
     # started_at is read before the commit that starts the hold.
     assert arrived - frame["body"]["started_at"] >= EXEC_STARTED_HOLD_S
-    assert events_of(session, call_id, "tool.result") == []  # still running
+    # Received while the command runs (it would for 30 s): ended now, by the client.
     await session.send("exec.signal", {"call_id": call_id, "signal": "SIGKILL"})
     result = await session.result(call_id)
     assert result["ok"] is True and result["result"]["signal"] == "SIGKILL"

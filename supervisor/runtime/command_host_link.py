@@ -394,7 +394,8 @@ async def _receive_message(sock: trio.socket.SocketType, raw: socket.socket) -> 
     """The host's next message and its ancillary data: read at once when one is waiting,
     else once the socket is readable. trio's recvmsg yields after a read that succeeded as
     well, a pass of the event loop on each of a command's two answers (spawned, exited).
-    Errors are the socket's; ClosedResourceError when it is closed meanwhile."""
+    Errors are the socket's (EBADF once it is closed); ClosedResourceError when it is closed
+    while this waits."""
     while True:
         try:
             data, ancillary, _flags, _addr = raw.recvmsg(MAX_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC)

@@ -284,8 +284,9 @@ class CommandOutput:
                     nursery.start_soon(self._read, name, pipes[name])
             self._pump_nursery = None
             # Both pipes are closed. A command that printed nothing had no flusher (`_take`
-            # starts it with the first bytes read); its spools stay open until the call has
-            # completed all the same, as the flusher would have kept them.
+            # starts it with the first bytes read); the pump still ends only once the call
+            # has completed, as the flusher made it: until then `finished` stays unset and
+            # the spool stays registered as being written, so no prune takes it.
             if not self._flushing:
                 await self._drained.wait()
         finally:

@@ -184,13 +184,23 @@ class Journal:
         """Wake the senders once a held event's hold is over and nothing appended since has
         sent it (`_appended`). Runs for the daemon's life; while it does not, nothing is
         held. A stop's last flush (SessionHub.flush_all) wakes every sender itself."""
-        while True:
-            with trio.CancelScope(deadline=self._held_until) as scope:
-                self._held_scope = scope
-                try:
-                    await trio.sleep_forever()
-                finally:
-                    self._held_scope = None
+        try:
+            while True:
+                with trio.CancelScope(deadline=self._held_until) as scope:
+                    self._held_scope = scope
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        self._held_scope = None
+                self._release_held()
+        finally:
+            # Cancelled (the daemon stops): a hold taken while the cancellation was on its
+            # way here had no task left to end it, so it ends now.
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """End the hold, if one is pending (an append since may have ended it already)."""
+        if self._held_until != math.inf:
             self._held_until = math.inf
             self._wake_listeners()
 
