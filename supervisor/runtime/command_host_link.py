@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 import trio
 
+from sandbox_supervisor.daemon import fd_wait
 from sandbox_supervisor.daemon.runtime.command_host import HOST_SPEC_FILE, MAX_MESSAGE_BYTES
 from sandbox_supervisor.daemon.runtime.holder_protocol import HolderSpec
 
@@ -249,7 +250,7 @@ class CommandHost:
             self._reading = True
             try:
                 try:
-                    data, ancillary = await _receive_message(sock, raw)
+                    data, ancillary = await _receive_message(raw)
                 except (OSError, trio.ClosedResourceError):
                     data, ancillary = b"", []
                 self._dispatch(sock, data, _received_fds(ancillary))
@@ -390,18 +391,18 @@ def _spec_by_file(request: dict[str, Any], directory: Path, spec: HolderSpec) ->
     return json.dumps({**request, "spec_file": HOST_SPEC_FILE}).encode()
 
 
-async def _receive_message(sock: trio.socket.SocketType, raw: socket.socket) -> tuple[bytes, list[tuple[int, int, bytes]]]:
+async def _receive_message(raw: socket.socket) -> tuple[bytes, list[tuple[int, int, bytes]]]:
     """The host's next message and its ancillary data: read at once when one is waiting,
     else once the socket is readable. trio's recvmsg yields after a read that succeeded as
     well, a pass of the event loop on each of a command's two answers (spawned, exited).
     Errors are the socket's (EBADF once it is closed); ClosedResourceError when it is closed
-    while this waits."""
+    while this waits (`fd_wait`, as for the control sockets)."""
     while True:
         try:
             data, ancillary, _flags, _addr = raw.recvmsg(MAX_MESSAGE_BYTES, _ANCILLARY_BYTES, socket.MSG_CMSG_CLOEXEC)
             return data, ancillary
         except BlockingIOError:
-            await trio.lowlevel.wait_readable(sock)
+            await fd_wait.wait_readable(raw)
 
 
 def _received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -38,10 +38,9 @@ class Journal:
     def __init__(self, store: StateStore) -> None:
         self.store = store
         self._listeners: set[Callable[[], None]] = set()
-        # Held events (`_appended`'s `hold_s`): the trio time by which the senders must be
-        # woken for them (inf: none held), and the sleep of `wake_held` that keeps it, while
-        # that task runs. Without it nothing is held.
-        self._held_until = math.inf
+        # Held events (`_appended`'s `hold_s`): the scope of `wake_held`'s sleep, while that
+        # task runs; its deadline is when the senders must be woken for them (inf: none
+        # held). Without the task nothing is held.
         self._held_scope: trio.CancelScope | None = None
         # The highest seq committed, kept here so a sender can tell "nothing new" without a
         # query. Everything that appends after start goes through this class.
@@ -164,16 +163,13 @@ class Journal:
             )
             self._trim_recent()
         scope = self._held_scope
-        if hold_s is not None and scope is not None:
-            due = trio.current_time() + hold_s
-            if due < self._held_until:
-                self._held_until = scope.deadline = due
-            return
-        if self._held_until != math.inf:
-            # Sent now with these rows: the hold is over.
-            self._held_until = math.inf
-            if scope is not None:
-                scope.deadline = math.inf
+        if scope is not None:
+            if hold_s is not None:
+                # The earliest hold counts: a later one never pushes another's send back.
+                scope.deadline = min(scope.deadline, trio.current_time() + hold_s)
+                return
+            if scope.deadline != math.inf:
+                scope.deadline = math.inf  # sent now with these rows: the hold is over
         self._wake_listeners()
 
     def _wake_listeners(self) -> None:
@@ -184,24 +180,25 @@ class Journal:
         """Wake the senders once a held event's hold is over and nothing appended since has
         sent it (`_appended`). Runs for the daemon's life; while it does not, nothing is
         held. A stop's last flush (SessionHub.flush_all) wakes every sender itself."""
+        scope = trio.CancelScope()
         try:
             while True:
-                with trio.CancelScope(deadline=self._held_until) as scope:
-                    self._held_scope = scope
-                    try:
-                        await trio.sleep_forever()
-                    finally:
-                        self._held_scope = None
-                self._release_held()
+                self._held_scope = scope
+                with scope:
+                    await trio.sleep_forever()
+                # Its deadline passed: the hold is over, unless an append ended it since.
+                self._held_scope = None
+                self._end_hold(scope)
+                scope = trio.CancelScope()
         finally:
             # Cancelled (the daemon stops): a hold taken while the cancellation was on its
             # way here had no task left to end it, so it ends now.
-            self._release_held()
+            self._held_scope = None
+            self._end_hold(scope)
 
-    def _release_held(self) -> None:
-        """End the hold, if one is pending (an append since may have ended it already)."""
-        if self._held_until != math.inf:
-            self._held_until = math.inf
+    def _end_hold(self, scope: trio.CancelScope) -> None:
+        """Wake the senders for the hold `scope` kept, if one was still pending."""
+        if scope.deadline != math.inf:
             self._wake_listeners()
 
     def append(self, events: Sequence[tuple[str, dict[str, Any]]], origin: str | None = None) -> list[JournalRow]:
