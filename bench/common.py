@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,12 @@ ACK_EVERY = 64  # the lean client acks like a control plane would: in batches, n
 
 now = time.perf_counter
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# Rows that time the daemon against a floor or a peer one operation at a time alternate them
+# in blocks of this many kept samples (`alternate`), and the first sample of each block is
+# not kept: what one side leaves running after an operation (the daemon starts its next idle
+# shell once a command has exited) then lands in its own next sample, never in the other
+# side's, whichever way the two are ordered.
+ALTERNATE_BLOCK = 20
 
 
 # --- mode --------------------------------------------------------------------------------
@@ -45,6 +51,38 @@ class Mode:
 
     def pick(self, full: Any, quick: Any) -> Any:
         return quick if self.quick else full
+
+
+# --- alternation -------------------------------------------------------------------------
+
+
+async def alternate(
+    samples: int,
+    warmup: int,
+    first: Callable[[], Awaitable[float]],
+    second: Callable[[], Awaitable[float]],
+    measuring: Callable[[], None],
+) -> tuple[list[float], list[float], int]:
+    """`samples` kept times of each of `first` and `second` (each does one operation and
+    returns its time), after `warmup` of each, in alternating blocks of ALTERNATE_BLOCK (the
+    first of each block not kept). `measuring` is called once the warm-up is over (to start
+    a CPU meter). Returns both lists and how many operations each side did after the warm-up
+    (kept or not), the count to divide that meter's CPU by."""
+    for _ in range(warmup):
+        await first()
+        await second()
+    measuring()
+    firsts: list[float] = []
+    seconds: list[float] = []
+    done = 0
+    while len(seconds) < samples:
+        block = min(ALTERNATE_BLOCK, samples - len(seconds))
+        for kept, operation in ((firsts, first), (seconds, second)):
+            await operation()  # the seam: not kept
+            for _ in range(block):
+                kept.append(await operation())
+        done += block + 1
+    return firsts, seconds, done
 
 
 # --- statistics and the report line ------------------------------------------------------

@@ -8,9 +8,9 @@ process, one keep-alive HTTP connection, `POST /execute` of `["/bin/bash", "-c",
 (the argv the daemon runs for `true`) until its JSON answer. SWE-ReX journals nothing,
 keeps no spool and sends no events; the target asks the daemon to be faster anyway.
 
-Samples alternate (peer, daemon, …). The ratio is SWE-ReX's median over the daemon's (higher is
-better); the target is SWE-ReX taking at least 1.5× the daemon's time. Skipped when swe-rex is
-not installed (the `bench` extra).
+Samples alternate in blocks (peer, daemon, …: `common.alternate`). The ratio is SWE-ReX's
+median over the daemon's (higher is better); the target is SWE-ReX taking at least 1.5× the
+daemon's time. Skipped when swe-rex is not installed (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ async def run(mode: Mode, workdir: Path) -> Result:
     def check_daemon(body: dict[str, Any]) -> None:
         assert require_ok(body)["exit_code"] == 0, body
 
-    measured, peer, meter = await alternated(
+    measured, peer, meter, done = await alternated(
         workdir, samples, warmup, lambda http: http.execute(ARGV), on_daemon, check_peer, check_daemon
     )
-    return compared(NAME, TARGET, measured, peer, meter.per_op(samples))
+    return compared(NAME, TARGET, measured, peer, meter.per_op(done))

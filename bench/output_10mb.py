@@ -13,9 +13,10 @@ Peer: SWE-ReX's server (bench/swerex_peer.py) on 127.0.0.1, one keep-alive HTTP 
 `POST /execute` of the same command as `["/bin/bash", "-c", command]`, until its JSON answer is
 received and parsed (stdout as one string), checked the same way.
 
-Samples alternate (peer, daemon, …). The ratio is SWE-ReX's median over the daemon's (higher is
-better); the target is SWE-ReX taking at least 2× the daemon's time. Without swe-rex (the
-`bench` extra) the daemon's side still runs, and the SKIP line gives its figure.
+Samples alternate in blocks (peer, daemon, …: `common.alternate`). The ratio is SWE-ReX's
+median over the daemon's (higher is better); the target is SWE-ReX taking at least 2× the
+daemon's time. Without swe-rex (the `bench` extra) the daemon's side still runs, and the SKIP
+line gives its figure.
 
 Binary pages are what a client that pages a large output should use: base64 JSON pages of 64
 KiB cost the daemon about four times the CPU per byte (bench/README.md, "Issue 12:
@@ -108,10 +109,10 @@ async def run(mode: Mode, workdir: Path) -> Result:
     def check_daemon(out: bytearray) -> None:
         assert out == expected, "the paged stdout differs from the command's output"
 
-    measured, peer, meter = await alternated(
+    measured, peer, meter, done = await alternated(
         workdir, samples, warmup, lambda http: http.execute(ARGV), delivered, check_peer, check_daemon
     )
-    return compared(NAME, TARGET, measured, peer, f"{SIZE // 1_000_000} MB, pages of {PAGE_BYTES // 1024} KiB, {IN_FLIGHT} in flight; {meter.per_op(samples, 'ms')}")
+    return compared(NAME, TARGET, measured, peer, f"{SIZE // 1_000_000} MB, pages of {PAGE_BYTES // 1024} KiB, {IN_FLIGHT} in flight; {meter.per_op(done, 'ms')}")
 
 
 async def daemon_alone(workdir: Path, samples: int, warmup: int, expected: bytes) -> list[float]:

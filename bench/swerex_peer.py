@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import h11
 import trio
 
-from bench.common import CpuMeter, Driver, Result, Skipped, daemon, latency, now, workspace
+from bench.common import CpuMeter, Driver, Result, Skipped, alternate, daemon, latency, now, workspace
 
 MISSING = "swe-rex not installed (pip install -e '.[bench]')"
 START_TIMEOUT_S = 30.0  # uvicorn and FastAPI import in ~1 s quiet; far more on a busy machine
@@ -197,32 +197,40 @@ async def alternated(
     on_daemon: Callable[[Driver], Awaitable[U]],
     check_peer: Callable[[T], None],
     check_daemon: Callable[[U], None],
-) -> tuple[list[float], list[float], CpuMeter]:
-    """One SWE-ReX server and one daemon with a bootstrapped socket; samples alternate (peer,
-    daemon, …), each timed around its callable, the warm-up ones discarded. What each
-    returns is checked, and the daemon's events acked, after its timer stops. The daemon's
-    times, the peer's, and both servers' CPU over the kept samples."""
-    measured: list[float] = []
-    peer: list[float] = []
+) -> tuple[list[float], list[float], CpuMeter, int]:
+    """One SWE-ReX server and one daemon with a bootstrapped socket; samples alternate in
+    blocks (peer, daemon, …: `common.alternate`), each timed around its callable, the warm-up
+    ones discarded. What each returns is checked, and the daemon's events acked, after its
+    timer stops. The daemon's times, the peer's, both servers' CPU after the warm-up, and how
+    many operations each side did meanwhile (the count to divide that CPU by)."""
     async with swerex_server(workdir / "swerex.log") as rex, daemon(workdir / "daemon") as (process, running):
         client = running.client()
         async with rex.client() as http, client.connect() as session:
             await session.bootstrap(cwd=workspace(running.layout))
             driver = Driver(session)
-            for i in range(warmup + samples):
-                if i == warmup:
-                    meter = CpuMeter(process.proc.pid, rex.proc.pid, "SWE-ReX")
+            meters: list[CpuMeter] = []
+
+            async def peer_once() -> float:
                 started = now()
                 answer = await on_peer(http)
-                elapsed_peer = now() - started
+                elapsed = now() - started
                 check_peer(answer)
+                return elapsed
+
+            async def daemon_once() -> float:
                 started = now()
                 result = await on_daemon(driver)
                 elapsed = now() - started
                 check_daemon(result)
                 await driver.maybe_ack()
-                if i >= warmup:
-                    peer.append(elapsed_peer)
-                    measured.append(elapsed)
-            meter.stop()
-    return measured, peer, meter
+                return elapsed
+
+            peer, measured, done = await alternate(
+                samples,
+                warmup,
+                peer_once,
+                daemon_once,
+                lambda: meters.append(CpuMeter(process.proc.pid, rex.proc.pid, "SWE-ReX")),
+            )
+            meters[0].stop()
+    return measured, peer, meters[0], done

@@ -7,12 +7,14 @@ processes, real cgroups where the machine has them, a real unprivileged command 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pwd
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -373,6 +375,77 @@ def test_idle_shells_are_placed_only_once_no_young_command_runs(tmp_path):
         young.status = 0  # exited: its report is sent
         assert host._placing_due() == 0.0
     finally:
+        ours.close()
+        theirs.close()
+
+
+def test_a_refill_is_due_once_no_command_runs_or_refill_after_s_after_it_was_asked_for():
+    wait = command_host.refill_wait
+    assert wait(None, 5.0, running=True) is None  # none asked for
+    assert wait(None, 5.0, running=False) is None
+    assert wait(5.0, 5.0, running=False) == 0.0  # the call's exit is reported: now
+    assert wait(5.0, 5.0, running=True) == pytest.approx(command_host.REFILL_AFTER_S)
+    assert 0 < wait(5.0, 5.0 + command_host.REFILL_AFTER_S / 2, running=True) < command_host.REFILL_AFTER_S
+    assert wait(5.0, 5.0 + command_host.REFILL_AFTER_S, running=True) == 0.0
+    assert wait(5.0, 60.0, running=True) == 0.0
+
+
+def receive_from_host(sock: socket.socket) -> dict:
+    """The host's next message; the pipes that come with a `spawned` are closed here (the
+    host keeps its own duplicates, which the test reads)."""
+    data, ancillary, _flags, _address = sock.recvmsg(command_host.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(16))
+    for level, kind, fds in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            for index in range(0, len(fds) - len(fds) % 4, 4):
+                os.close(int.from_bytes(fds[index : index + 4], sys.byteorder))
+    return json.loads(data)
+
+
+def test_the_replacement_shell_is_started_after_the_calls_exit_is_reported(tmp_path):
+    """Through the host's own methods, with real shells: the answer to a spawn starts no
+    idle shell (started at once, its start came between a short command's exit and the
+    report of it); the exit's report makes the refill due, and the refill starts the shell
+    the next call takes. A call that runs on gets its replacement REFILL_AFTER_S after the
+    answer."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    host = command_host.Host(ours)
+
+    def spawn(call_id: str, command: str) -> command_host.Hosted:
+        (tmp_path / call_id).mkdir()
+        spec = spec_for(command, tmp_path)
+        request = {"op": "spawn", "id": call_id, "dir": str(tmp_path / call_id), "idle_shells": 1, "spec": spec.to_json()}
+        host._spawn(call_id, request)
+        assert receive_from_host(theirs)["op"] == "spawned"
+        return host.commands[call_id]
+
+    try:
+        first = spawn("c1", "true")
+        assert host.pool.idle == []
+        assert 0 < host._refill_wait() <= command_host.REFILL_AFTER_S  # it may still run
+        os.waitid(os.P_PID, first.pid, os.WEXITED | os.WNOWAIT)  # `true` has exited
+        host._reap(first)
+        assert receive_from_host(theirs) == {"op": "exited", "id": "c1", "status": 0}
+        assert host.pool.idle == []  # reported before the replacement's start
+        assert host._refill_wait() == 0.0
+        host._refill()
+        [waiting] = host.pool.idle
+        assert host._refill_wait() is None
+
+        second = spawn("c2", "sleep 30")
+        assert second.pid == waiting.pid  # the call took the idle shell
+        assert host.pool.idle == []
+        assert 0 < host._refill_wait() <= command_host.REFILL_AFTER_S
+        assert host.refill_since is not None
+        host.refill_since -= command_host.REFILL_AFTER_S  # REFILL_AFTER_S later, still running
+        assert host._refill_wait() == 0.0
+        host._refill()
+        assert len(host.pool.idle) == 1 and host.pool.idle[0].pid != second.pid
+    finally:
+        for command in host.commands.values():
+            if command.status is None:
+                os.killpg(command.pid, signal.SIGKILL)
+                os.waitpid(command.pid, 0)
+        host.pool.clear()
         ours.close()
         theirs.close()
 

@@ -113,10 +113,27 @@ CLAIMED_PLACES = 64
 # can wait an RCU grace period (10-15 ms on a stock kernel after a pause), and the host
 # reports no exit meanwhile, so a short command's exit must not wait behind it.
 PLACE_AFTER_RUN_S = 0.5
+# The replacement for a shell a call took is started once no command of the host runs (the
+# call's exit reported), or this long after the answer, whichever comes first. Started at
+# once, as before, the start (the pipes, the socket pair and a vfork that waits for bash's
+# exec: about 0.5 ms of the host's time here) came between a short command's exit and the
+# host's report of it, and every `true` waited for it. A command that runs longer gets its
+# replacement while it runs, as it did.
+REFILL_AFTER_S = 0.01
 # How long an idle shell killed in the cgroup a command is about to start in is waited for
 # (it counts against that cgroup's pids.max until reaped); it waits in a `read` and goes at once.
 REAP_IN_CALL_CGROUP_S = 0.1
 REAP_IN_CALL_CGROUP_POLL_S = 0.001
+
+
+def refill_wait(pending_since: float | None, now: float, running: bool) -> float | None:
+    """Seconds until a pending refill is due (0: now), None when none is pending: due once
+    no command runs, or REFILL_AFTER_S after it was asked for."""
+    if pending_since is None:
+        return None
+    if not running:
+        return 0.0
+    return max(0.0, pending_since + REFILL_AFTER_S - now)
 
 
 def pool_stub(fd: int) -> str:
@@ -486,6 +503,9 @@ class Host:
             except OSError:
                 pass
         self.selector.register(daemon, selectors.EVENT_READ, self._on_daemon)
+        # The spec whose idle shells are to be started again (`refill_wait`), and since when.
+        self.refill_spec: HolderSpec | None = None
+        self.refill_since: float | None = None
 
     # -- the loop --
 
@@ -496,6 +516,8 @@ class Host:
             for command in list(self.commands.values()):
                 if command.pidfd is None and command.status is None:
                     self._reap(command)
+            if self._refill_wait() == 0:
+                self._refill()
             if self.daemon is None:
                 self._timers()
             elif self.pool.placing and self._placing_due() <= 0:
@@ -508,10 +530,29 @@ class Host:
         young = [c.started for c in self.commands.values() if c.status is None and now - c.started < PLACE_AFTER_RUN_S]
         return max(0.0, max(young) + PLACE_AFTER_RUN_S - now) if young else 0.0
 
+    def _refill_wait(self) -> float | None:
+        running = any(command.status is None for command in self.commands.values())
+        return refill_wait(self.refill_since, time.monotonic(), running)
+
+    def _refill_later(self, spec: HolderSpec) -> None:
+        """Ask for `spec`'s idle shells to be started again (`refill_wait` says when): after
+        the answer, off the call's path."""
+        if self.refill_since is None:
+            self.refill_since = time.monotonic()
+        self.refill_spec = spec
+
+    def _refill(self) -> None:
+        spec, self.refill_spec, self.refill_since = self.refill_spec, None, None
+        if spec is not None and self.daemon is not None:
+            self.pool.refill(spec)
+
     def _select_timeout(self) -> float | None:
         polled = any(c.pidfd is None and c.status is None for c in self.commands.values())
         if self.daemon is not None:
             timeout = REAP_POLL_S if polled else None
+            refill = self._refill_wait()
+            if refill is not None:
+                timeout = refill if timeout is None else min(timeout, refill)
             if self.pool.placing:
                 placing = self._placing_due()
                 timeout = placing if timeout is None else min(timeout, placing)
@@ -587,7 +628,7 @@ class Host:
             # The shell's start time is its identity (with the pid) for a restart's clean-up
             # and adoption; it precedes the call (docs/internals.md, "Pre-started shells").
             self._started(Hosted(call_id, directory, spec, shell.pid, shell.outputs), shell.start_ticks)
-            self.pool.refill(spec)  # after the answer: off the call's path
+            self._refill_later(spec)
             return
         self.pool.vacate(spec)  # a fresh spawn's cgroup holds the command alone
         try:
@@ -611,7 +652,7 @@ class Host:
         except (OSError, ValueError, IndexError):
             ticks = 0
         self._started(Hosted(call_id, directory, spec, pid, dict(stdio.outputs)), ticks)
-        self.pool.refill(spec)  # after the answer: off the call's path
+        self._refill_later(spec)
 
     def _started(self, command: Hosted, ticks: int) -> None:
         """Tend a command that runs and answer `spawned` with its pipes."""
@@ -677,6 +718,7 @@ class Host:
     def _take_over(self) -> None:
         assert self.daemon is not None
         self.pool.clear()
+        self.refill_spec = self.refill_since = None
         self.selector.unregister(self.daemon)
         self.daemon.close()
         self.daemon = None
