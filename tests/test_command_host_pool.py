@@ -216,9 +216,9 @@ def test_the_shell_is_started_before_the_call_and_its_start_time_says_so(tmp_pat
         try:
             pool.refill(spec_for("true", tmp_path))
             waiting = pool.idle[0]
-            assert holder._start_ticks(waiting.pid) == waiting.start_ticks
             shell = pool.take(spec_for("echo $$", tmp_path))
-            assert shell is waiting
+            assert shell is not None and shell.pid == waiting.pid
+            assert shell.start_ticks == holder._start_ticks(waiting.pid) != 0
             stdout, _, code = collect(shell.pid, shell.outputs)
         finally:
             pool.clear()
@@ -480,6 +480,17 @@ def open_for_writing_as(user: pwd.struct_passwd, path: str) -> int:
     return int(attacker.stdout)
 
 
+def stub_channel(pid: int) -> int:
+    """The descriptor an idle shell's stub reads its command from (`<&N`), once its exec has
+    completed: the host's spawn returns as the exec replaces the memory, and until the exec
+    is done the new cmdline reads empty."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not (found := re.search(r"<&(\d+)", Path(f"/proc/{pid}/cmdline").read_bytes().decode())):
+        assert time.monotonic() < deadline, "the idle shell's exec did not complete"
+        time.sleep(0.001)
+    return int(found.group(1))
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs a command user")
 @pytest.mark.parametrize("who", ["command-user", "daemon-user"])
 def test_another_process_of_the_command_user_cannot_write_a_command_into_an_idle_shell(tmp_path, monkeypatch, who):
@@ -497,13 +508,12 @@ def test_another_process_of_the_command_user_cannot_write_a_command_into_an_idle
             pool.refill(spec_for("true", tmp_path, **ids))
             shell = pool.idle[0]
             # The shell's end: the number its stub reads from (`<&N`).
-            cmdline = Path(f"/proc/{shell.pid}/cmdline").read_bytes().decode()
-            channel = int(re.search(r"<&(\d+)", cmdline).group(1))
+            channel = stub_channel(shell.pid)
             assert os.readlink(f"/proc/{shell.pid}/fd/{channel}").startswith("socket:")
             channel_errno = open_for_writing_as(attacker, f"/proc/{shell.pid}/fd/{channel}")
             stdout_errno = open_for_writing_as(attacker, f"/proc/{shell.pid}/fd/1")
             taken = pool.take(spec_for("echo ran", tmp_path, **ids))
-            assert taken is shell
+            assert taken is not None and taken.pid == shell.pid
             stdout, stderr, code = collect(shell.pid, shell.outputs)
         finally:
             pool.clear()
