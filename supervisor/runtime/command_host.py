@@ -118,8 +118,7 @@ PLACE_AFTER_RUN_S = 0.5
 # once, as before, the start (the pipes, the socket pair and a vfork that waits for bash's
 # exec: about 0.4 ms of the host's time here, once the start time's read moved to `take`)
 # came between a short command's exit and the host's report of it, and every `true` waited
-# for it. A command that runs longer gets its
-# replacement while it runs, as it did.
+# for it. A command that runs longer gets its replacement while it runs, as it did.
 REFILL_AFTER_S = 0.01
 # How long an idle shell killed in the cgroup a command is about to start in is waited for
 # (it counts against that cgroup's pids.max until reaped); it waits in a `read` and goes at once.
