@@ -134,10 +134,14 @@ async def test_exec_list_shows_running_and_ended_processes(session, daemon):
 
 async def test_start_process_is_exactly_once_by_key(session, daemon):
     client = session.client
-    call_id, first = await start(session, "echo once >> ../once.log; sleep 30", "p-once")
-    retry = await session.call("start_process", {"command": "echo once >> ../once.log; sleep 30"}, idempotency_key="p-once")
+    command = "echo once >> ../once.log; echo ran; sleep 30"
+    call_id, first = await start(session, command, "p-once")
+    retry = await session.call("start_process", {"command": command}, idempotency_key="p-once")
     frame = await session.receive_until(lambda f: f["kind"] == "tool.replayed" and f["body"]["call_id"] == retry)
     assert frame["body"]["original"]["body"]["result"]["pid"] == first["pid"]
+    # The answer comes once the process is spawned, not once its shell has run the echo: a
+    # SIGTERM sent at once can end the shell before it writes (seen on a slow machine).
+    await wait_output(session, client, call_id, "ran\n")
     await session.send("exec.signal", {"call_id": call_id, "signal": "SIGTERM"})
     await completed(session, client, call_id)
     assert (daemon.layout.workspace.parent / "once.log").read_text() == "once\n"
