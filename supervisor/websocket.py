@@ -26,7 +26,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -205,12 +205,16 @@ class StreamIO:
         self.stream = stream
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+    async def send_all(self, data: bytes | bytearray | memoryview, before_wait: Callable[[], None] | None = None) -> None:
         """All of `data`, waiting only while the socket is full (`wait_writable` is then the
-        checkpoint, where a write deadline cancels, leaving a partial frame behind). Callers
-        hold the WebSocket's write lock, so no two writes interleave."""
+        checkpoint, where a write deadline cancels, leaving a partial frame behind);
+        `before_wait` is called once, before the first wait (or before any write, on a stream
+        that is not a socket): a write deadline costs nothing when the socket takes the write
+        at once. Callers hold the WebSocket's write lock, so no two writes interleave."""
         sock = self._socket
         if sock is None:
+            if before_wait is not None:
+                before_wait()
             await self.stream.send_all(data)
             return
         with memoryview(data) as view:
@@ -219,11 +223,29 @@ class StreamIO:
                 try:
                     sent += os.write(sock.fileno(), view[sent:])
                 except BlockingIOError:
+                    if before_wait is not None:
+                        before_wait()
+                        before_wait = None
                     await fd_wait.wait_writable(sock)  # closed: ClosedResourceError
                 except OSError as exc:
                     if exc.errno == errno.EBADF:  # fileno() is -1 once the socket is closed
                         raise trio.ClosedResourceError("the socket was already closed") from None
                     raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+    def write_now(self, data: bytes) -> int | None:
+        """As much of `data` as the socket takes without waiting: the count of bytes written
+        (0 when it is full). None when nothing was written and this stream cannot be written
+        without a task (not a socket), or the write failed: the next awaited write meets the
+        failure and reports it as `send_all` does."""
+        sock = self._socket
+        if sock is None:
+            return None
+        try:
+            return os.write(sock.fileno(), data)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            return None
 
     async def receive_some(self, max_bytes: int = RECEIVE_BUFFER_BYTES) -> bytes | bytearray:
         """Up to `max_bytes`, waiting for the socket to be readable first; b"" at the end."""
@@ -268,6 +290,9 @@ class ServerWebSocket:
         self._parts: list[str | bytes] = []
         self._part_size = 0
         self._write_lock = trio.StrictFIFOLock()
+        # The rest of a write `write_now` began and the socket did not take whole: the next
+        # write under the lock writes it first, so frames stay whole and in order.
+        self._carry = b""
         self._reading = False  # a task is in _read
         # wsproto holds events not yet handled here (a read's handling was cancelled).
         self._unhandled = False
@@ -532,6 +557,42 @@ class ServerWebSocket:
         if pending:
             await self._write(b"".join(pending), deadline_scope, write_timeout_s)
 
+    @property
+    def carrying(self) -> bool:
+        """Part of a frame `write_now` began is still to be written (`flush_carry`)."""
+        return bool(self._carry)
+
+    def write_now(self, messages: Sequence[str]) -> bool:
+        """Write small text messages from the calling task, without waiting and without a
+        checkpoint, when nothing else is writing: whether they were taken. Taken means the
+        socket took them, or took part and the rest waits in the carry, which the next write
+        under the lock (`flush_carry`, or any other) writes first. Not taken (nothing was
+        written): the lock is held, the socket is closing, a carry is already waiting, the
+        batch is larger than one write, or the stream cannot be written this way or failed;
+        the caller then leaves the messages to its awaited writes, which meet any failure."""
+        if self._write_lock.locked() or self._close_reason is not None or self._carry:
+            return False
+        parts: list[bytes] = []
+        size = 0
+        for message in messages:
+            header, payload, _ = frame_message(message)
+            parts.append(header)
+            parts.append(payload)
+            size += len(payload)
+        if size > WRITE_BATCH_MAX_BYTES:
+            return False
+        data = b"".join(parts)
+        written = self._io.write_now(data)
+        if not written:  # None (failed, or not a socket) or 0 (full): nothing was written
+            return False
+        self._carry = data[written:]
+        return True
+
+    async def flush_carry(self, deadline_scope: trio.CancelScope | None = None, write_timeout_s: float = 0.0) -> None:
+        """Write what `write_now` left in the carry, within the write timeout as any write."""
+        if self._carry:
+            await self._write(b"", deadline_scope, write_timeout_s)
+
     async def _write(
         self,
         chunk: bytes,
@@ -541,11 +602,23 @@ class ServerWebSocket:
         more: bytes = b"",
         control: Event | None = None,
     ) -> None:
-        """One write under the write lock: data frames (`chunk`, then `more`), or the control
-        frame `control`, which wsproto frames only once the lock is held: nothing is framed
-        or written after a close frame that took the lock first."""
+        """One write under the write lock: the carry (`write_now`), then data frames (`chunk`,
+        then `more`), or the control frame `control`, which wsproto frames only once the lock
+        is held: nothing is framed or written after a close frame that took the lock first.
+        With `deadline_scope`, the write timeout is set on it when the write first has to wait
+        (for the lock, or for room in the socket), from then: a write the socket takes at once
+        cannot time out, and setting a deadline is not free (trio re-registers the scope)."""
+        arm: Callable[[], None] | None = None
         if deadline_scope is not None:
-            deadline_scope.deadline = trio.current_time() + write_timeout_s
+            scope = deadline_scope
+            armed = False
+
+            def arm() -> None:  # once per write, at its first wait
+                nonlocal armed
+                if not armed:
+                    armed = True
+                    scope.deadline = trio.current_time() + write_timeout_s
+
         lock = self._write_lock
         try:
             # A free lock is taken without a checkpoint (the usual case: only the socket's
@@ -553,8 +626,13 @@ class ServerWebSocket:
             # first, one more pass of the event loop on the way of every write.
             lock.acquire_nowait()
         except trio.WouldBlock:
+            if arm is not None:
+                arm()
             await lock.acquire()
         try:
+            if self._carry:
+                carry, self._carry = self._carry, b""
+                await self._io.send_all(carry, arm)
             # Looked at under the lock: a close written while this write waited for the lock
             # ends what may be written.
             if control is None:
@@ -564,9 +642,10 @@ class ServerWebSocket:
                 if self._stream_closed or not _may_send(self._wsproto.state, control):
                     raise ConnectionClosed(self._close_reason)
                 chunk = self._wsproto.send(control)
-            await self._io.send_all(chunk)
+            if chunk:
+                await self._io.send_all(chunk, arm)
             if more:
-                await self._io.send_all(more)
+                await self._io.send_all(more, arm)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             self._abort()
             raise ConnectionClosed(self._close_reason) from None

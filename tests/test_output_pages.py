@@ -124,7 +124,10 @@ def test_binary_page_encoding_round_trips_and_refuses_what_is_not_a_page():
 
 class _HeldSocket:
     """A WebSocket whose writes wait until released: the reply queue fills up behind it. It
-    has what the sender writes with (`send_messages`), and records what was written."""
+    has what the sender writes with (`send_messages`; nothing is ever left in its carry), and
+    records what was written."""
+
+    carrying = False
 
     def __init__(self) -> None:
         self.sent: list[str | bytes] = []

@@ -218,8 +218,8 @@ async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection
                 with pytest.raises(ConnectionClosed):
                     await ws.get_message()
 
-            async def first_write_then_wait_for_the_close(data: bytes) -> None:
-                await passed_on(data)
+            async def first_write_then_wait_for_the_close(data: bytes, before_wait=None) -> None:
+                await passed_on(data, before_wait)
                 nursery.start_soon(client.aclose)
                 nursery.start_soon(read_the_close)
                 while ws._close_reason is None:  # the server side has read the peer's Close
@@ -242,6 +242,8 @@ async def test_a_close_from_the_peer_between_two_writes_of_a_batch_is_connection
 
 class _FullQueueSocket:
     """A WebSocket that never completes a write: the reply queue fills and stays full."""
+
+    carrying = False
 
     async def send_messages(self, texts: object, **_: object) -> None:
         await trio.sleep_forever()
@@ -299,7 +301,11 @@ async def test_an_idle_sender_outlives_its_write_timeout_and_a_stalled_write_end
             # Now a write that never completes: the peer has stopped reading.
             never = trio.Event()
 
-            async def blocked_write(data: bytes) -> None:
+            async def blocked_write(data: bytes, before_wait=None) -> None:
+                # A socket that stays full: the write waits (and says so first, as
+                # StreamIO.send_all does, which is when the write deadline is set).
+                if before_wait is not None:
+                    before_wait()
                 await never.wait()
 
             counted.send_all = blocked_write  # type: ignore[method-assign]
@@ -331,9 +337,9 @@ async def test_a_write_takes_a_free_stream_lock_without_yielding_and_waits_for_a
     class WatchedStream(RecordingIO):
         steps_before_write: list[int] = []
 
-        async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        async def send_all(self, data: bytes | bytearray | memoryview, before_wait=None) -> None:
             self.steps_before_write.append(steps.ended.count(trio.lowlevel.current_task()))
-            await super().send_all(data)
+            await super().send_all(data, before_wait)
 
     steps = Steps()
 
@@ -375,7 +381,7 @@ class NoYieldStream:
         self.writes = 0
         self.first = trio.Event()
 
-    async def send_all(self, data: bytes) -> None:
+    async def send_all(self, data: bytes, before_wait=None) -> None:
         self.writes += 1
         self.first.set()
 

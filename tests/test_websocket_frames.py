@@ -39,7 +39,7 @@ class ScriptedIO(StreamIO):
         self.written = bytearray()
         self.closed = False
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+    async def send_all(self, data: bytes | bytearray | memoryview, before_wait=None) -> None:
         self.written += data
 
     async def receive_some(self, max_bytes: int = 0) -> bytes:

@@ -4,7 +4,7 @@ is read and answered as the edge answers it, and the server's writes are recorde
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -27,10 +27,17 @@ class RecordingIO(StreamIO):
         self.writes: list[bytes | bytearray | memoryview] = []
         self.data = bytearray()
 
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+    async def send_all(self, data: bytes | bytearray | memoryview, before_wait: Callable[[], None] | None = None) -> None:
         self.writes.append(data)
         self.data += data
-        await super().send_all(data)
+        await super().send_all(data, before_wait)
+
+    def write_now(self, data: bytes) -> int | None:
+        written = super().write_now(data)
+        if written:
+            self.writes.append(data[:written])
+            self.data += data[:written]
+        return written
 
 
 async def accept_websocket(

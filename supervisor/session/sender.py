@@ -1,4 +1,4 @@
-"""The per-socket sender: one task that owns every write to its socket.
+"""The per-socket sender: the task that makes its socket's writes (but for a call's result, below).
 
 It sends, in a loop: queued replies (not journaled), then journaled events after its cursor,
 read from sqlite in batches, each as it is or — outside what the socket's assertion lets it
@@ -9,6 +9,14 @@ Everything one wake-up finds ready goes out in as few socket writes as it fits i
 (`ServerWebSocket.send_messages`): on loopback a write costs the receiver's network processing too, so an
 acknowledgement and the output it caused, or a replay's batch, cost one system call, not one
 per frame.
+
+A call's result is the exception (`wake(now=True)`): when the sender is parked with nothing
+left to write, the task that journaled the result writes it at once, from the journal's
+wake-up (`ServerWebSocket.write_now`: no wait, no checkpoint), instead of handing it to this
+task through a pass of the event loop. The result is on the wire before its call's log line
+and bookkeeping run, and the sender's cursor moves as if it had written it. Anything that
+would make that write wait (the write lock held, a full socket, a queued reply) leaves the
+result to this task as before.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import trio
 
 from sandbox_supervisor.daemon.websocket import WRITE_BATCH_MAX_BYTES, ConnectionClosed, Outgoing, ServerWebSocket, outgoing_size
 from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.store import StoreError
 from sandbox_supervisor.daemon.state.visibility import Audience
 from sandbox_supervisor.daemon.telemetry import Telemetry
 
@@ -73,15 +82,42 @@ class SocketSender:
         self._progress = trio.Event()
         self.failed = False
         self.stopped = False
-        # One scope for the sender's life, whose deadline is finite only while a write is under
-        # way (send_messages sets it at each write; _send clears it): a stalled peer is caught
-        # exactly as with a scope per write, without entering and leaving a scope for every
-        # write on the hot path (3-4 % of the daemon's busy time on a keystroke's round trip).
-        # Nothing else cancels it, so its cancellation means a write timed out.
+        # One scope for the sender's life, whose deadline is finite only while a write waits
+        # (a write sets it when it first has to wait: ServerWebSocket._write; `_end_write`
+        # clears it): a stalled peer is caught exactly as with a scope per write, without
+        # entering and leaving a scope, or setting a deadline, for every write on the hot
+        # path (3-4 % of the daemon's busy time on a keystroke's round trip, and a µs or two
+        # per deadline set). Nothing else cancels it, so its cancellation means a write
+        # timed out.
         self._write_scope = trio.CancelScope()
+        self._parked = False  # waiting for a wake-up, with nothing left to write
+        self._queued = 0  # replies in the queue (the channel's statistics cost a µs each)
 
-    def wake(self) -> None:
+    def wake(self, now: bool = False) -> None:
+        """Something was journaled (or a flush wants the cursor to move). `now`: a call's
+        result, which the waking task writes itself when this task is parked (see the module
+        docstring); otherwise, or when that cannot be done without waiting, this task wakes."""
+        if now and self._parked and not self._wake.is_set() and self._write_now():
+            return
         self._wake.set()
+
+    def _write_now(self) -> bool:
+        """The events after the cursor written from the calling task: whether they were
+        (`ServerWebSocket.write_now`). Replies go first in a pass, so none may be queued."""
+        if self._queued or self.cursor >= self._journal.last_seq:
+            return False
+        try:
+            rows = self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
+        except StoreError:
+            # Not from memory, and the store failed: the committing task's caller must not
+            # take that for its own commit's failure. The sender's pass reads them again.
+            return False
+        if not self._ws.write_now([frame for _, frame in rows]):
+            return False
+        self._sent(rows)
+        if self._ws.carrying or self.cursor < self._journal.last_seq:
+            self._wake.set()  # the rest of the write, or of the events, is this task's
+        return True
 
     async def reply(self, text: Outgoing) -> None:
         """Queue a non-journaled frame (error, tool.pending, tool.replayed, runtime.state…);
@@ -112,6 +148,7 @@ class SocketSender:
                 if isinstance(exc, trio.BrokenResourceError):
                     return
                 raise
+        self._queued += 1
         self._wake.set()
 
     async def run(self) -> None:
@@ -134,7 +171,11 @@ class SocketSender:
                         await trio.lowlevel.checkpoint()
                     wrote = await self._pass()
                     if not wrote:
-                        await self._wake.wait()
+                        self._parked = True
+                        try:
+                            await self._wake.wait()
+                        finally:
+                            self._parked = False
             # The loop never ends by itself: here, the write deadline cancelled it.
             raise _Stalled
         except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -153,8 +194,9 @@ class SocketSender:
             self._dequeued.set()
 
     def _has_work(self) -> bool:
-        """Something to write: a queued reply, or an event after the cursor."""
-        return self._reply_out.statistics().current_buffer_used > 0 or self.cursor < self._journal.last_seq
+        """Something to write: a queued reply, the rest of a write begun elsewhere, or an
+        event after the cursor."""
+        return self._queued > 0 or self._ws.carrying or self.cursor < self._journal.last_seq
 
     async def _pass(self) -> bool:
         """Write every queued reply, then the next batch of events after the cursor, in as
@@ -162,28 +204,41 @@ class SocketSender:
         texts = self._take_replies()
         # Replies go before events (a bind's runtime.state before its replay): while
         # some are still queued, this pass sends replies only.
-        replies_left = self._reply_out.statistics().current_buffer_used
         rows = (
             self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
-            if self.cursor < self._journal.last_seq and not replies_left
+            if self.cursor < self._journal.last_seq and not self._queued
             else []
         )
         if not texts and not rows:
-            return False
+            if not self._ws.carrying:
+                return False
+            # Only the rest of a result written from its call's task (`_write_now`).
+            await self._ws.flush_carry(self._write_scope, self._write_timeout_s)
+            self._end_write()
+            self._progress.set()
+            self._progress = trio.Event()
+            return True
         texts.extend(frame for _, frame in rows)
         await self._send(texts)
         if rows:
-            self.cursor = rows[-1][0]
-            self._progress.set()
-            self._progress = trio.Event()
-            if self._telemetry is not None and rows[0][0] <= self._replay_until:
-                self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
+            self._sent(rows)
         return True
 
+    def _sent(self, rows: Sequence[tuple[int, str]]) -> None:
+        """The cursor moved past `rows` (written, or handed to the socket's carry)."""
+        self.cursor = rows[-1][0]
+        self._progress.set()
+        self._progress = trio.Event()
+        if self._telemetry is not None and rows[0][0] <= self._replay_until:
+            self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
+
     def sent_through(self, seq: int) -> bool:
-        """Every event up to `seq` has been sent on this socket, or acknowledged (the client
-        has it already, and the journal may have pruned it)."""
-        return max(self.cursor, self._journal.pruned_through) >= seq
+        """Every event up to `seq` has been sent on this socket (none of it is left in the
+        socket's carry), or acknowledged (the client has it already, and the journal may
+        have pruned it)."""
+        if self._journal.pruned_through >= seq:
+            return True
+        return self.cursor >= seq and not self._ws.carrying
 
     async def flush(self, seq: int) -> None:
         """Return once every event up to `seq` has been sent (or acknowledged), or the sender
@@ -205,6 +260,7 @@ class SocketSender:
             except trio.WouldBlock:
                 break
             size = outgoing_size(text)
+            self._queued -= 1
             self._queued_chars -= size
             taken += size
             texts.append(text)
@@ -218,7 +274,12 @@ class SocketSender:
         partial frame on the stream, so the socket is not used again: the cancellation ends
         `run`'s loop, and the sender, as stalled. A write that finishes after its deadline has
         passed counts as stalled too (the cancellation is already called)."""
-        scope = self._write_scope
-        await self._ws.send_messages(texts, deadline_scope=scope, write_timeout_s=self._write_timeout_s)
-        scope.deadline = math.inf  # no deadline between writes: an idle socket waits for work
+        await self._ws.send_messages(texts, deadline_scope=self._write_scope, write_timeout_s=self._write_timeout_s)
+        self._end_write()
+
+    def _end_write(self) -> None:
+        """No deadline between writes: an idle socket waits for work. (A write sets one only
+        once it has to wait, so most writes leave nothing to clear.)"""
+        if self._write_scope.deadline != math.inf:
+            self._write_scope.deadline = math.inf
 

@@ -37,7 +37,7 @@ RECENT_MAX_CHARS = 4 * 1024 * 1024
 class Journal:
     def __init__(self, store: StateStore) -> None:
         self.store = store
-        self._listeners: set[Callable[[], None]] = set()
+        self._listeners: set[Callable[[bool], None]] = set()
         # Held events (`_appended`'s `hold_s`): the scope of `wake_held`'s sleep, while that
         # task runs; its deadline is when the senders must be woken for them (inf: none
         # held). Without the task nothing is held.
@@ -143,15 +143,19 @@ class Journal:
         ):
             self._recent_chars -= len(recent.popleft().frame)
 
-    def subscribe(self, wake: Callable[[], None]) -> None:
+    def subscribe(self, wake: Callable[[bool], None]) -> None:
+        """`wake(now)` is called after each commit of events; `now` when they end a call (its
+        tool.result), which a parked sender may then write from the committing task."""
         self._listeners.add(wake)
 
-    def unsubscribe(self, wake: Callable[[], None]) -> None:
+    def unsubscribe(self, wake: Callable[[bool], None]) -> None:
         self._listeners.discard(wake)
 
-    def _appended(self, rows: list[JournalRow], hold_s: float | None = None) -> None:
+    def _appended(self, rows: list[JournalRow], hold_s: float | None = None, *, ends_call: bool = False) -> None:
         """Keep the committed rows for the senders and wake them; with `hold_s`, wake them
-        only at the next append or after `hold_s`, whichever comes first (`wake_held`)."""
+        only at the next append or after `hold_s`, whichever comes first (`wake_held`).
+        `ends_call`: the rows end a call (its tool.result), which a parked sender may write
+        from here (SocketSender.wake)."""
         if rows:
             self.last_seq = max(self.last_seq, rows[-1].seq)
             self.recent.extend(rows)
@@ -170,11 +174,11 @@ class Journal:
                 return
             if scope.deadline != math.inf:
                 scope.deadline = math.inf  # sent now with these rows: the hold is over
-        self._wake_listeners()
+        self._wake_listeners(ends_call)
 
-    def _wake_listeners(self) -> None:
+    def _wake_listeners(self, ends_call: bool = False) -> None:
         for wake in list(self._listeners):
-            wake()
+            wake(ends_call)
 
     async def wake_held(self) -> None:
         """Wake the senders once a held event's hold is over and nothing appended since has
@@ -217,13 +221,13 @@ class Journal:
     ) -> list[JournalRow]:
         """Journal a call's final events and complete its idempotency record atomically."""
         rows = self.store.complete_call(key, result_body, preceding=preceding, view=view, origin=origin)
-        self._appended(rows)
+        self._appended(rows, ends_call=True)
         return rows
 
     def release_call(self, key: CallKey, result_body: dict[str, Any], view: EventView | None = None) -> list[JournalRow]:
         """Journal a refusal that leaves nothing done and free the key (see StateStore)."""
         rows = self.store.release_call(key, result_body, view=view)
-        self._appended(rows)
+        self._appended(rows, ends_call=True)
         return rows
 
     def start_process(

@@ -1,0 +1,169 @@
+"""A call's result written by the task that journaled it (SocketSender.wake(now=True) and
+ServerWebSocket.write_now), on a real store and a real loopback WebSocket: only while the
+sender is parked with nothing to write, never ahead of a queued reply or of another write,
+and a part the socket does not take is written whole, in order, by the sender."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from sandbox_supervisor.daemon.session.sender import SocketSender
+from sandbox_supervisor.daemon.state.journal import Journal
+from sandbox_supervisor.daemon.state.store import StateStore
+from tests.ws_support import server_websocket_pair
+
+FRAME_TIMEOUT_S = 10.0
+
+
+def tool_result(n: int) -> dict:
+    return {"call_id": "0b7c2f9e-52a4-4a0e-9d55-3f0a4f3f8e21", "idempotency_key": None,
+            "tool_name": "read_file", "ok": True, "result": {"n": n}}
+
+
+async def with_parked_sender(tmp_path, body, **sender_options) -> None:
+    """A journal on a real store and its sender on a real socket pair, the sender parked
+    (waiting, nothing to write) when `body(journal, sender, ws, recorded stream, client)`
+    starts."""
+    store = StateStore.open(tmp_path / "state")
+    journal = Journal(store)
+    try:
+        async with server_websocket_pair() as (ws, counted, client):
+            with trio.fail_after(FRAME_TIMEOUT_S):
+                sender = SocketSender(ws, journal, cursor=0, **sender_options)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(sender.run)
+                    await trio.testing.wait_all_tasks_blocked()
+                    await body(journal, sender, ws, counted, client)
+                    nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+async def test_a_result_journaled_while_the_sender_is_parked_is_written_before_the_journaling_task_yields(tmp_path):
+    async def body(journal, sender, ws, counted, client):
+        rows = journal.complete_call(None, tool_result(1))
+        # No checkpoint since the commit: the write was made from this task.
+        assert len(counted.writes) == 1 and b'"n":1' in bytes(counted.data)
+        assert sender.cursor == rows[-1].seq and sender.sent_through(rows[-1].seq)
+        assert '"seq":1' in await client.get_message()
+
+        # Other events (a command's output) still wake the sender, which batches what one
+        # wake-up finds: nothing is written until this task yields.
+        journal.append([("tool.result", tool_result(2))])
+        assert len(counted.writes) == 1
+        assert '"seq":2' in await client.get_message()
+        assert len(counted.writes) == 2
+
+    await with_parked_sender(tmp_path, body)
+
+
+async def test_a_result_behind_a_queued_reply_is_left_to_the_sender_and_follows_the_reply(tmp_path):
+    async def body(journal, sender, ws, counted, client):
+        await sender.reply('{"kind":"exec.stdin_ack"}')  # queued, the sender woken, not yet run
+        journal.complete_call(None, tool_result(1))
+        assert counted.writes == []
+        received = [await client.get_message() for _ in range(2)]
+        assert received[0] == '{"kind":"exec.stdin_ack"}' and '"seq":1' in received[1]
+        assert len(counted.writes) == 1  # together, in the sender's one write
+
+    await with_parked_sender(tmp_path, body)
+
+
+async def test_a_result_while_another_write_holds_the_lock_waits_for_it(tmp_path):
+    async def body(journal, sender, ws, counted, client):
+        release = trio.Event()
+
+        async def hold_the_lock(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with ws._write_lock:
+                task_status.started()
+                await release.wait()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold_the_lock)
+            rows = journal.complete_call(None, tool_result(1))
+            assert counted.writes == [] and not sender.sent_through(rows[-1].seq)
+            await trio.testing.wait_all_tasks_blocked()
+            assert counted.writes == []  # the sender waits for the lock too
+            release.set()
+        assert '"seq":1' in await client.get_message()
+
+    await with_parked_sender(tmp_path, body)
+
+
+async def test_the_part_of_a_result_the_socket_did_not_take_is_written_whole_and_in_order(tmp_path):
+    """The socket takes only the first bytes of the written-through frame (as a nearly full
+    socket would): the rest is carried, the sender writes it before anything else, and the
+    client reads every frame whole, in seq order. Until then the event is not sent."""
+
+    async def body(journal, sender, ws, counted, client):
+        real_write_now = counted.write_now
+        taken: list[int] = []
+
+        def takes_seven_bytes(data: bytes) -> int | None:
+            written = real_write_now(data[:7])  # the real socket, seven bytes of the frame
+            taken.append(written)
+            return written
+
+        counted.write_now = takes_seven_bytes
+        first = journal.complete_call(None, tool_result(1))
+        assert taken == [7] and ws.carrying
+        assert sender.cursor == first[-1].seq and not sender.sent_through(first[-1].seq)
+        # A second result while the carry waits is not written through (it would split the
+        # first frame): the sender writes the carry, then it.
+        second = journal.complete_call(None, tool_result(2))
+        assert taken == [7]
+        received = [await client.get_message() for _ in range(2)]
+        assert ['"seq":1' in received[0], '"seq":2' in received[1]] == [True, True]
+        await sender.flush(second[-1].seq)
+        assert not ws.carrying and sender.sent_through(second[-1].seq)
+
+    await with_parked_sender(tmp_path, body)
+
+
+async def test_a_write_waiting_for_a_held_lock_still_ends_at_the_write_timeout(tmp_path, autojump_clock):
+    """The write deadline is set when a write first waits, for room in the socket or, as
+    here, for the write lock (another writer stuck on a peer that stopped reading)."""
+    timeout_s = 1.0
+    stalled = trio.Event()
+
+    async def body(journal, sender, ws, counted, client):
+        async def hold_the_lock_for_good(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            async with ws._write_lock:
+                task_status.started()
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold_the_lock_for_good)
+            started = trio.current_time()
+            journal.complete_call(None, tool_result(1))  # not written through: the lock is held
+            await stalled.wait()
+            assert sender.stalled and trio.current_time() - started >= timeout_s
+            nursery.cancel_scope.cancel()
+
+    await with_parked_sender(tmp_path, body, write_timeout_s=timeout_s, on_stalled=stalled.set)
+
+
+
+async def test_a_failed_read_for_the_write_through_is_not_the_commits_failure(tmp_path):
+    """The events are read for the write from memory, or else from the store; when that
+    read fails, the commit that woke the sender still returns its rows (its caller would
+    otherwise take its result for unjournaled), and the sender's own pass sends them."""
+    from sandbox_supervisor.daemon.state.store import StoreError
+
+    async def body(journal, sender, ws, counted, client):
+        real = journal.frames_after
+        failures = []
+
+        def fails_once(*args, **kwargs):
+            if not failures:
+                failures.append(args)
+                raise StoreError("disk I/O error")
+            return real(*args, **kwargs)
+
+        journal.frames_after = fails_once
+        rows = journal.complete_call(None, tool_result(1))
+        assert failures and rows[-1].seq == 1 and counted.writes == []
+        assert '"seq":1' in await client.get_message()
+
+    await with_parked_sender(tmp_path, body)
