@@ -247,6 +247,11 @@ class StreamIO:
         except OSError:
             return None
 
+    async def wait_writable(self) -> None:
+        """Until the socket has room (only a socket stream: `write_now` gave a count)."""
+        assert self._socket is not None
+        await fd_wait.wait_writable(self._socket)  # closed: ClosedResourceError
+
     async def receive_some(self, max_bytes: int = RECEIVE_BUFFER_BYTES) -> bytes | bytearray:
         """Up to `max_bytes`, waiting for the socket to be readable first; b"" at the end."""
         sock = self._socket
@@ -589,9 +594,26 @@ class ServerWebSocket:
         return True
 
     async def flush_carry(self, deadline_scope: trio.CancelScope | None = None, write_timeout_s: float = 0.0) -> None:
-        """Write what `write_now` left in the carry, within the write timeout as any write."""
+        """Write what `write_now` left in the carry, within the write timeout as any write
+        (the wait for the lock included: another task, a pong say, may be writing it)."""
         if self._carry:
             await self._write(b"", deadline_scope, write_timeout_s)
+
+    async def _write_carry(self, arm: Callable[[], None] | None) -> None:
+        """The carry, under the lock. What the socket has not taken stays in the carry until
+        it has, so a write cut short here (a ping's own timeout, a cancellation) leaves the
+        rest for the next write under the lock: the frame is finished, never followed by
+        other bytes, and `carrying` stays true until its last byte is written."""
+        while self._carry:
+            written = self._io.write_now(self._carry)
+            if written is None:
+                raise trio.BrokenResourceError("socket connection broken")
+            if written:
+                self._carry = self._carry[written:]
+                continue
+            if arm is not None:
+                arm()
+            await self._io.wait_writable()
 
     async def _write(
         self,
@@ -631,8 +653,7 @@ class ServerWebSocket:
             await lock.acquire()
         try:
             if self._carry:
-                carry, self._carry = self._carry, b""
-                await self._io.send_all(carry, arm)
+                await self._write_carry(arm)
             # Looked at under the lock: a close written while this write waited for the lock
             # ends what may be written.
             if control is None:

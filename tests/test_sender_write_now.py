@@ -167,3 +167,97 @@ async def test_a_failed_read_for_the_write_through_is_not_the_commits_failure(tm
         assert '"seq":1' in await client.get_message()
 
     await with_parked_sender(tmp_path, body)
+
+
+class _Full:
+    """Makes the recorded stream's socket look full (what `write_now` and `wait_writable`
+    see) until `room()`; the bytes still go to the real socket once there is room."""
+
+    def __init__(self, counted) -> None:
+        self.counted = counted
+        self.real_write_now = counted.write_now
+        self.real_wait = counted.wait_writable
+        self.has_room = trio.Event()
+        counted.write_now = lambda data: 0
+        counted.wait_writable = self.has_room.wait
+
+    def room(self) -> None:
+        self.counted.write_now = self.real_write_now
+        self.counted.wait_writable = self.real_wait
+        self.has_room.set()
+
+
+def first_write_takes_seven_bytes(counted) -> None:
+    real = counted.write_now
+
+    def takes_seven(data: bytes) -> int | None:
+        counted.write_now = real
+        return real(data[:7])
+
+    counted.write_now = takes_seven
+
+
+async def test_a_carry_another_write_is_writing_is_still_unsent_and_flush_waits_for_its_end(tmp_path):
+    """A pong or a ping that takes the lock writes the carry first; until its last byte is
+    written the event is not sent (`sent_through`, the drain's `flush`), and once it is, a
+    waiting flush returns."""
+    from wsproto.events import Ping
+
+    async def body(journal, sender, ws, counted, client):
+        first_write_takes_seven_bytes(counted)
+        rows = journal.complete_call(None, tool_result(1))
+        assert ws.carrying
+        full = _Full(counted)
+        flushed = trio.Event()
+
+        async def flush() -> None:
+            await sender.flush(rows[-1].seq)
+            flushed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ws._send_control, Ping(payload=b"abcd"))
+            nursery.start_soon(flush)
+            await trio.testing.wait_all_tasks_blocked()
+            assert ws.carrying and not sender.sent_through(rows[-1].seq) and not flushed.is_set()
+            full.room()
+        assert flushed.is_set() and not ws.carrying
+        assert '"seq":1' in await client.get_message()  # whole (the client answers the ping)
+
+    await with_parked_sender(tmp_path, body)
+
+
+async def test_a_write_cut_short_in_the_carry_leaves_the_rest_and_the_frames_stay_whole(tmp_path):
+    """A ping bounded by its caller's timeout, cut short while the socket is full, leaves
+    what it did not write in the carry: the next write finishes the frame before anything
+    else, and the client reads every frame whole."""
+    from wsproto.events import Ping
+
+    async def body(journal, sender, ws, counted, client):
+        first_write_takes_seven_bytes(counted)
+        journal.complete_call(None, tool_result(1))
+        full = _Full(counted)
+        with trio.move_on_after(0.2) as cut:
+            await ws._send_control(Ping(payload=b"abcd"))
+        assert cut.cancelled_caught and ws.carrying
+        journal.append([("tool.result", tool_result(2))])
+        full.room()
+        received = [await client.get_message() for _ in range(2)]
+        assert ['"seq":1' in received[0], '"seq":2' in received[1]] == [True, True]
+
+    await with_parked_sender(tmp_path, body)
+
+
+async def test_a_reply_sent_with_the_carry_wakes_a_waiting_flush(tmp_path):
+    """The carry goes out in a pass that has a reply and no new event: the waiting flush
+    still learns that the event is now sent."""
+
+    async def body(journal, sender, ws, counted, client):
+        first_write_takes_seven_bytes(counted)
+        rows = journal.complete_call(None, tool_result(1))
+        await sender.reply('{"kind":"x"}')  # queued before the sender's task runs
+        with trio.fail_after(2):
+            await sender.flush(rows[-1].seq)
+        received = [await client.get_message() for _ in range(2)]
+        assert '"seq":1' in received[0] and received[1] == '{"kind":"x"}'
+
+    await with_parked_sender(tmp_path, body)

@@ -92,6 +92,9 @@ class SocketSender:
         self._write_scope = trio.CancelScope()
         self._parked = False  # waiting for a wake-up, with nothing left to write
         self._queued = 0  # replies in the queue (the channel's statistics cost a µs each)
+        # A write from a call's task left a carry: whichever write finishes it, the next pass
+        # tells `flush` to look again (its waiter saw `sent_through` false).
+        self._owes_progress = False
 
     def wake(self, now: bool = False) -> None:
         """Something was journaled (or a flush wants the cursor to move). `now`: a call's
@@ -108,15 +111,20 @@ class SocketSender:
             return False
         try:
             rows = self._journal.frames_after(self.cursor, EVENT_BATCH, EVENT_BATCH_MAX_CHARS, self._audience)
-        except StoreError:
-            # Not from memory, and the store failed: the committing task's caller must not
-            # take that for its own commit's failure. The sender's pass reads them again.
-            return False
-        if not self._ws.write_now([frame for _, frame in rows]):
+            if not self._ws.write_now([frame for _, frame in rows]):
+                return False
+        except (StoreError, ValueError):
+            # Not from memory and the store failed, or a frame that cannot be encoded: this
+            # runs inside the commit that woke it, whose caller must not take this for its
+            # own commit's failure (it would journal the call's result again). The sender's
+            # own pass reads and writes them, and meets the same error in its own task.
             return False
         self._sent(rows)
-        if self._ws.carrying or self.cursor < self._journal.last_seq:
-            self._wake.set()  # the rest of the write, or of the events, is this task's
+        if self._ws.carrying:
+            self._owes_progress = True
+            self._wake.set()  # the rest of the write is this task's (or the next writer's)
+        elif self.cursor < self._journal.last_seq:
+            self._wake.set()  # more than a batch: the rest is this task's
         return True
 
     async def reply(self, text: Outgoing) -> None:
@@ -210,25 +218,34 @@ class SocketSender:
             else []
         )
         if not texts and not rows:
-            if not self._ws.carrying:
-                return False
-            # Only the rest of a result written from its call's task (`_write_now`).
-            await self._ws.flush_carry(self._write_scope, self._write_timeout_s)
-            self._end_write()
-            self._progress.set()
-            self._progress = trio.Event()
-            return True
+            if self._ws.carrying:
+                # Only the rest of a result written from its call's task (`_write_now`), or
+                # what another writer that took it has not finished (the lock is waited for).
+                await self._ws.flush_carry(self._write_scope, self._write_timeout_s)
+                self._end_write()
+                self._moved()
+                return True
+            if self._owes_progress:
+                self._moved()  # another write (a pong, a ping) finished the carry
+            return False
         texts.extend(frame for _, frame in rows)
-        await self._send(texts)
+        await self._send(texts)  # the carry first, if one was left
         if rows:
             self._sent(rows)
+        elif self._owes_progress:
+            self._moved()
         return True
+
+    def _moved(self) -> None:
+        """Wake `flush`: the cursor moved, or the carry was written."""
+        self._owes_progress = False
+        self._progress.set()
+        self._progress = trio.Event()
 
     def _sent(self, rows: Sequence[tuple[int, str]]) -> None:
         """The cursor moved past `rows` (written, or handed to the socket's carry)."""
         self.cursor = rows[-1][0]
-        self._progress.set()
-        self._progress = trio.Event()
+        self._moved()
         if self._telemetry is not None and rows[0][0] <= self._replay_until:
             self._telemetry.events_replayed(sum(1 for seq, _ in rows if seq <= self._replay_until))
 
