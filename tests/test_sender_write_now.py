@@ -70,17 +70,18 @@ async def test_a_result_behind_a_queued_reply_is_left_to_the_sender_and_follows_
     await with_parked_sender(tmp_path, body)
 
 
+async def hold_the_write_lock(ws, until: trio.Event, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Another writer (a pong, say) holding the socket's write lock until `until` is set."""
+    async with ws._write_lock:
+        task_status.started()
+        await until.wait()
+
+
 async def test_a_result_while_another_write_holds_the_lock_waits_for_it(tmp_path):
     async def body(journal, sender, ws, counted, client):
         release = trio.Event()
-
-        async def hold_the_lock(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            async with ws._write_lock:
-                task_status.started()
-                await release.wait()
-
         async with trio.open_nursery() as nursery:
-            await nursery.start(hold_the_lock)
+            await nursery.start(hold_the_write_lock, ws, release)
             rows = journal.complete_call(None, tool_result(1))
             assert counted.writes == [] and not sender.sent_through(rows[-1].seq)
             await trio.testing.wait_all_tasks_blocked()
@@ -128,13 +129,8 @@ async def test_a_write_waiting_for_a_held_lock_still_ends_at_the_write_timeout(t
     stalled = trio.Event()
 
     async def body(journal, sender, ws, counted, client):
-        async def hold_the_lock_for_good(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            async with ws._write_lock:
-                task_status.started()
-                await trio.sleep_forever()
-
         async with trio.open_nursery() as nursery:
-            await nursery.start(hold_the_lock_for_good)
+            await nursery.start(hold_the_write_lock, ws, trio.Event())  # never released
             started = trio.current_time()
             journal.complete_call(None, tool_result(1))  # not written through: the lock is held
             await stalled.wait()
