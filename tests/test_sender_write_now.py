@@ -257,3 +257,34 @@ async def test_a_reply_sent_with_the_carry_wakes_a_waiting_flush(tmp_path):
         assert '"seq":1' in received[0] and received[1] == '{"kind":"x"}'
 
     await with_parked_sender(tmp_path, body)
+
+
+async def test_a_reply_that_waited_for_room_still_goes_before_later_events(tmp_path):
+    """A reply that waited for room in a full queue is moved into it by the sender's own
+    receive, before its task resumes: it counts as queued from then, so an event journaled
+    after it does not overtake it in a pass that stops at a write's worth of replies."""
+    from sandbox_supervisor.daemon.session.sender import REPLY_QUEUE_SIZE
+
+    def reply_of(i: int, size: int = 4096) -> str:
+        head = '{"r":%d,"p":"' % i
+        return head + "x" * (size - len(head) - 2) + '"}'
+
+    async def body(journal, sender, ws, counted, client):
+        release = trio.Event()
+        got = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(hold_the_write_lock, ws, release)
+            await sender.reply('{"r":0}')
+            await trio.testing.wait_all_tasks_blocked()  # the sender took it, and waits for the lock
+            for i in range(1, REPLY_QUEUE_SIZE + 1):  # a full queue, a write's worth of bytes
+                await sender.reply(reply_of(i))
+            nursery.start_soon(sender.reply, '{"r":"last"}')  # waits for room
+            await trio.testing.wait_all_tasks_blocked()
+            journal.append([("tool.result", tool_result(1))])  # journaled after that reply
+            release.set()
+            for _ in range(REPLY_QUEUE_SIZE + 3):
+                message = await client.get_message()
+                got.append("event" if '"seq"' in message else message[:12])
+        assert got[-2:] == ['{"r":"last"}', "event"]
+
+    await with_parked_sender(tmp_path, body)

@@ -140,7 +140,11 @@ class SocketSender:
             await self._dequeued.wait()
         if self.stopped:
             return
+        # Counted before it is queued: a reply waiting for room is moved into the queue by
+        # the sender's receive, before this task resumes, and must already count then (a
+        # pass sends events only once no reply is queued).
         self._queued_chars += size
+        self._queued += 1
         try:
             # Room in the queue (the usual case): queued without a checkpoint, so the reply
             # and whatever the same step journals go out in this task's next pass together.
@@ -150,13 +154,13 @@ class SocketSender:
                 await self._reply_in.send(text)
             except BaseException as exc:
                 # Not queued after all (cancelled while the queue was full, or the sender
-                # stopped: BrokenResourceError): its size is given back, or the cap would
-                # shrink for good.
+                # stopped: BrokenResourceError): its size and count are given back, or the
+                # cap would shrink for good.
                 self._queued_chars -= size
+                self._queued -= 1
                 if isinstance(exc, trio.BrokenResourceError):
                     return
                 raise
-        self._queued += 1
         self._wake.set()
 
     async def run(self) -> None:
