@@ -232,6 +232,11 @@ class StreamIO:
                         raise trio.ClosedResourceError("the socket was already closed") from None
                     raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
+    @property
+    def socket_backed(self) -> bool:
+        """A socket written directly (`write_now` and `wait_writable` work)."""
+        return self._socket is not None
+
     def write_now(self, data: bytes) -> int | None:
         """As much of `data` as the socket takes without waiting: the count of bytes written
         (0 when it is full). None when nothing was written and this stream cannot be written
@@ -656,13 +661,22 @@ class ServerWebSocket:
                 await self._write_carry(arm)
             # Looked at under the lock: a close written while this write waited for the lock
             # ends what may be written.
-            if control is None:
-                if self._close_reason is not None:
-                    raise ConnectionClosed(self._close_reason)
-            else:
+            if control is not None:
                 if self._stream_closed or not _may_send(self._wsproto.state, control):
                     raise ConnectionClosed(self._close_reason)
-                chunk = self._wsproto.send(control)
+                # Through the carry: a ping or pong cut short by its caller's bound (the
+                # keepalive's) leaves the rest of its frame to the next write, which finishes
+                # it before anything else. (A data write cut short is the sender's stall: the
+                # socket is closed after it.)
+                self._carry = self._wsproto.send(control)
+                if self._io.socket_backed:
+                    await self._write_carry(arm)
+                else:
+                    carry, self._carry = self._carry, b""
+                    await self._io.send_all(carry, arm)
+                return
+            if self._close_reason is not None:
+                raise ConnectionClosed(self._close_reason)
             if chunk:
                 await self._io.send_all(chunk, arm)
             if more:

@@ -288,3 +288,51 @@ async def test_a_reply_that_waited_for_room_still_goes_before_later_events(tmp_p
         assert got[-2:] == ['{"r":"last"}', "event"]
 
     await with_parked_sender(tmp_path, body)
+
+
+async def test_a_ping_cut_short_after_part_of_its_frame_is_finished_by_the_next_write(monkeypatch):
+    """The keepalive bounds its ping; cut short once the socket took part of the ping's frame,
+    the rest stays in the carry and the next write finishes it first: the client reads the
+    next message, not a torn frame (before: 1002, the next frame's bytes read as the ping's)."""
+    import os
+    import types
+
+    from wsproto.events import Ping
+
+    import sandbox_supervisor.daemon.websocket as wsmod
+
+    async with server_websocket_pair() as (ws, counted, client):
+        fd = ws._io._socket.fileno()
+        full = {"now": False}
+        room = trio.Event()
+        real_write, real_fd_wait = os.write, wsmod.fd_wait
+
+        def write(target: int, data) -> int:
+            if target == fd:
+                if full["now"]:
+                    raise BlockingIOError(11, "full")
+                if len(data) and data[0] == 0x89:  # the ping: the socket takes 3 of its bytes
+                    full["now"] = True
+                    return real_write(target, bytes(data[:3]))
+            return real_write(target, data)
+
+        class FdWait:
+            wait_readable = staticmethod(real_fd_wait.wait_readable)
+
+            @staticmethod
+            async def wait_writable(sock) -> None:
+                if sock.fileno() == fd and full["now"]:
+                    await room.wait()
+                else:
+                    await real_fd_wait.wait_writable(sock)
+
+        monkeypatch.setattr(wsmod, "os", types.SimpleNamespace(write=write, read=os.read, urandom=os.urandom))
+        monkeypatch.setattr(wsmod, "fd_wait", FdWait())
+        with trio.move_on_after(0.2) as cut:
+            await ws._send_control(Ping(payload=b"abcd"))
+        assert cut.cancelled_caught and ws.carrying and not ws._write_lock.locked()
+        full["now"] = False
+        room.set()
+        with trio.fail_after(FRAME_TIMEOUT_S):
+            await ws.send_message("after the ping")
+            assert await client.get_message() == "after the ping"

@@ -39,6 +39,8 @@ class ScriptedIO(StreamIO):
         self.written = bytearray()
         self.closed = False
 
+    _socket = None  # not a socket: StreamIO's own writes go through send_all
+
     async def send_all(self, data: bytes | bytearray | memoryview, before_wait=None) -> None:
         self.written += data
 
