@@ -608,7 +608,12 @@ class ServerWebSocket:
         """The carry, under the lock. What the socket has not taken stays in the carry until
         it has, so a write cut short here (a ping's own timeout, a cancellation) leaves the
         rest for the next write under the lock: the frame is finished, never followed by
-        other bytes, and `carrying` stays true until its last byte is written."""
+        other bytes, and `carrying` stays true until its last byte is written. (A stream
+        that is not a socket only ever carries a control frame: written whole.)"""
+        if not self._io.socket_backed:
+            carry, self._carry = self._carry, b""
+            await self._io.send_all(carry, arm)
+            return
         while self._carry:
             written = self._io.write_now(self._carry)
             if written is None:
@@ -669,11 +674,7 @@ class ServerWebSocket:
                 # it before anything else. (A data write cut short is the sender's stall: the
                 # socket is closed after it.)
                 self._carry = self._wsproto.send(control)
-                if self._io.socket_backed:
-                    await self._write_carry(arm)
-                else:
-                    carry, self._carry = self._carry, b""
-                    await self._io.send_all(carry, arm)
+                await self._write_carry(arm)
                 return
             if self._close_reason is not None:
                 raise ConnectionClosed(self._close_reason)
