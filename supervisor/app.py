@@ -21,7 +21,7 @@ import trio
 from sandbox_supervisor.protocol import closes, errors
 from sandbox_supervisor.protocol.authority import JwksError, VerifierSettings
 from sandbox_supervisor.protocol.bootstrap import BootstrapBody
-from sandbox_supervisor.daemon.auth.admission import UpgradeAdmission
+from sandbox_supervisor.daemon.auth.admission import UpgradeAdmission, log_accepted
 from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, refuse
 from sandbox_supervisor.daemon.auth.identity import SANDBOX_ID_ENV, SandboxIdentity
 from sandbox_supervisor.daemon.auth.keyring import KeyRing, unusable_jwks
@@ -201,6 +201,7 @@ class DaemonFront:
 
     async def run_socket(self, ws: ServerWebSocket, admit: Admit) -> None:
         assert self.daemon is not None and self.daemon.sessions is not None  # admitted only once assembled
+        log_accepted(admit)  # after the 101, which the edge has written
         await serve_control_socket(ws, admit, self.daemon.sessions)
 
 

@@ -264,3 +264,34 @@ async def test_startup_stage_facts_are_logged(tmp_path, authority):
         ("bootstrap-readiness-sent", "success"),
     ]
     assert all(f["sessionId"] == "session-1" and isinstance(f["duration"], (int, float)) for f in facts)
+
+
+async def test_startup_stage_facts_when_the_readiness_snapshot_cannot_be_read(tmp_path, authority, log_lines, monkeypatch):
+    """The persisted stage's line is written with the readiness stage's, after runtime.state
+    went out or failed to: when the state cannot be read for runtime.state, both lines are
+    still written, in order, the second a failure, and the socket closes 1011."""
+    import trio_websocket
+
+    from sandbox_supervisor.daemon.state.store import StoreError
+
+    layout = make_layout(tmp_path / "d", authority=authority)
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with client.connect() as session:
+            await session.bootstrap(cwd=str(layout.workspace))
+        before = len(log_lines())
+        store = daemon.supervisor.store
+
+        def snapshot():
+            raise StoreError("disk I/O error")
+
+        monkeypatch.setattr(store, "snapshot", snapshot)
+        with pytest.raises(trio_websocket.ConnectionClosed) as info:
+            async with client.connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+        assert info.value.reason.code == 1011
+    facts = [e for e in log_lines()[before:] if e.get("event") == "sandbox.startup-stage"]
+    assert [(f["stage"], f["outcome"]) for f in facts] == [
+        ("bootstrap-persisted", "success"),
+        ("bootstrap-readiness-sent", "failure"),
+    ]

@@ -501,3 +501,45 @@ def test_a_store_refusal_of_the_record_answers_as_the_gate_would(tmp_path, autho
     assert (decision.status, decision.code) == (status, code)
     assert daemon_status.admissions == 0 and daemon_status.fence_generation == 0  # nothing admitted here
     assert fenced == (3 if second_writer == "same_jti" else 4)  # only the second writer's record
+
+
+async def test_an_admitted_upgrade_is_logged_once_its_101_is_written(daemon, log_lines, monkeypatch):
+    """The admission's line is written after the 101 (the client's next step waits for the
+    101, not for the log): a 101 the socket refuses leaves no `upgrade.accepted`, and the
+    failure's line names the attempt, whose fence the record already moved."""
+    from sandbox_supervisor.daemon.edge import server
+
+    real_send_all = server.StreamIO.send_all
+    refused = []
+
+    async def send_all(self, data, before_wait=None):
+        if data.startswith(b"HTTP/1.1 101") and not refused:
+            refused.append(data)
+            raise trio.BrokenResourceError("the 101 could not be written")
+        await real_send_all(self, data, before_wait)
+
+    monkeypatch.setattr(server.StreamIO, "send_all", send_all)
+    client = daemon.client()
+    token = client.mint(generation=1, attempt_id="attempt-lost-101", ack_floor=0)
+    routing = client.routing_headers(generation=1, attempt_id="attempt-lost-101", ack_floor=0, assertion=token)
+    head = (
+        f"GET {client.path} HTTP/1.1\r\nHost: {client.endpoint.host_header}\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        + "".join(f"{name}: {value}\r\n" for name, value in routing)
+        + "\r\n"
+    )
+    stream = await client.endpoint.open_stream()
+    with trio.fail_after(10):
+        await stream.send_all(head.encode("latin-1"))
+        assert await stream.receive_some() == b""  # closed with no answer
+    await stream.aclose()
+    assert refused
+    assert fence(daemon) == (1, "attempt-lost-101")  # admitted and recorded before the 101
+    lines = log_lines()
+    assert not [line for line in lines if line.get("event") == "upgrade.accepted"]
+    [failed] = [line for line in lines if line.get("event") == "websocket.handshake_failed"]
+    assert (failed["session_id"], failed["generation"], failed["attempt_id"]) == ("session-1", 1, "attempt-lost-101")
+    async with client.connect(generation=2, attempt_id="attempt-next"):
+        pass
+    accepted = [line for line in log_lines() if line.get("event") == "upgrade.accepted"]
+    assert [(line["generation"], line["attempt_id"]) for line in accepted] == [(2, "attempt-next")]

@@ -133,22 +133,23 @@ class UpgradeAdmission:
         return verify_assertion(headers.authority or "", keys, self._verifier, headers, now)
 
     def _report(self, decision: Admit | Refuse) -> None:
+        if self._telemetry is not None:
+            self._telemetry.upgrade(UPGRADE_ACCEPTED if isinstance(decision, Admit) else decision.code)
+        if isinstance(decision, Admit):
+            return  # its line is `log_accepted`'s, once its 101 is out: the client waits for the 101
         headers = decision.headers
         ids = (
             {"session_id": headers.session_id, "generation": headers.generation, "attempt_id": headers.attempt_id}
             if headers is not None
             else {}
         )
-        if self._telemetry is not None:
-            self._telemetry.upgrade(UPGRADE_ACCEPTED if isinstance(decision, Admit) else decision.code)
-        if isinstance(decision, Admit):
-            safe_log(log, "upgrade.accepted", **ids)
-        else:
-            safe_log(
-                log,
-                "upgrade.rejected",
-                error=decision.code,
-                status=decision.status,
-                detail=decision.detail,
-                **ids,
-            )
+        safe_log(log, "upgrade.rejected", error=decision.code, status=decision.status, detail=decision.detail, **ids)
+
+
+def log_accepted(admit: Admit) -> None:
+    """The line of an admitted upgrade, written after its 101 (the refusals' are written by
+    `UpgradeAdmission` before theirs)."""
+    headers = admit.headers
+    safe_log(
+        log, "upgrade.accepted", session_id=headers.session_id, generation=headers.generation, attempt_id=headers.attempt_id
+    )

@@ -428,7 +428,14 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
             with trio.fail_at(deadline):
                 await io.send_all(accept_response(http_front.websocket_key(head)))
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.info("websocket.handshake_failed", reason=type(exc).__name__)
+            # Admitted and recorded (the fence moved), so the line names the attempt.
+            log.info(
+                "websocket.handshake_failed",
+                reason=type(exc).__name__,
+                session_id=decision.headers.session_id,
+                generation=decision.headers.generation,
+                attempt_id=decision.headers.attempt_id,
+            )
             await trio.aclose_forcefully(stream)
             return
         release()

@@ -35,16 +35,13 @@ class BindingRules:
     allowed_profiles: Sequence[str]
 
 
-def log_stage(stage: str, outcome: str, started: float, session_id: str) -> None:
+def elapsed_ms(started: float) -> float:
+    return round((time.monotonic() - started) * 1000, 3)
+
+
+def log_stage(stage: str, outcome: str, duration_ms: float, session_id: str) -> None:
     """The startup-stage facts a platform's boot timeline reads (docs/protocol.md §5.2)."""
-    safe_log(
-        log,
-        "sandbox.startup-stage",
-        stage=stage,
-        outcome=outcome,
-        duration=round((time.monotonic() - started) * 1000, 3),
-        sessionId=session_id,
-    )
+    safe_log(log, "sandbox.startup-stage", stage=stage, outcome=outcome, duration=duration_ms, sessionId=session_id)
 
 
 def bind(
@@ -85,11 +82,12 @@ def bind(
             # AlreadyBound cannot happen on the one trio thread (the binding was read just
             # above); were it to, answering from a binding we did not re-read would be wrong.
             socket_log.exception("bootstrap.state_unavailable")
-            log_stage(STAGE_PERSISTED, "failure", started, body.sessionId)
+            log_stage(STAGE_PERSISTED, "failure", elapsed_ms(started), body.sessionId)
             return BindFailed()
         status.session = body
-    log_stage(STAGE_PERSISTED, "success", started, body.sessionId)
-    return Bound(body, decision.newly_bound)
+    # The success line is the socket's to write, after runtime.state is on its way: the
+    # client waits for runtime.state, not for the log (the order of the lines is kept).
+    return Bound(body, decision.newly_bound, persist_ms=elapsed_ms(started))
 
 
 def readiness_frame(

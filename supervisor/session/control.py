@@ -104,6 +104,7 @@ class SendReadiness:
 
     body: BootstrapBody
     newly_bound: bool
+    persist_ms: float = 0.0  # the `bootstrap-persisted` stage's duration, logged once this is sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,7 @@ Action = Reply | Close | Bind | SendReadiness | Reject | SubmitCall | Acknowledg
 class Bound:
     body: BootstrapBody
     newly_bound: bool
+    persist_ms: float = 0.0  # how long persisting the binding took (0 when it was bound already)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +219,7 @@ class ControlChannel:
             raise LocalProtocolError(f"a binding outcome arrived in state {self.state.value}")
         if isinstance(outcome, Bound):
             self.state = ChannelState.ATTACHED
-            return [SendReadiness(outcome.body, outcome.newly_bound)]
+            return [SendReadiness(outcome.body, outcome.newly_bound, outcome.persist_ms)]
         if isinstance(outcome, BindRefused):
             self.state = ChannelState.REJECTING
             return [Reject(outcome.code, outcome.message)]

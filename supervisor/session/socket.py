@@ -294,6 +294,7 @@ class ControlSocket:
             snapshot = services.store.snapshot()
         except StoreError:
             self.log.exception("bootstrap.state_unavailable")
+            self._log_stages(action, "failure", started)
             return await self._carry_out(self.channel.state_unavailable())
         frame = bootstrap.readiness_frame(
             action.body,
@@ -307,13 +308,22 @@ class ControlSocket:
             # Re-attached on a socket that already has its sender: queued like any reply.
             await self.sender.reply(encode_frame(frame))
         elif not await self._send_now(encode_frame(frame)):
-            bootstrap.log_stage(bootstrap.STAGE_READINESS_SENT, "failure", started, action.body.sessionId)
+            self._log_stages(action, "failure", started)
             return await self._carry_out(self.channel.readiness_failed())
         else:
             self._start_sender()
-        bootstrap.log_stage(bootstrap.STAGE_READINESS_SENT, "success", started, action.body.sessionId)
+        self._log_stages(action, "success", started)
         self.log.info("session.attached", newly_bound=action.newly_bound)
         return True
+
+    @staticmethod
+    def _log_stages(action: SendReadiness, readiness: str, started: float) -> None:
+        # Both stages' lines are written once runtime.state went out (or failed to), in their
+        # order: the persisted stage is timed by `bootstrap.bind`, and logged here so that
+        # neither line stands between the commit and the frame the client is waiting for.
+        session_id = action.body.sessionId
+        bootstrap.log_stage(bootstrap.STAGE_PERSISTED, "success", action.persist_ms, session_id)
+        bootstrap.log_stage(bootstrap.STAGE_READINESS_SENT, readiness, bootstrap.elapsed_ms(started), session_id)
 
     def _start_sender(self) -> None:
         # Replay starts after the floor the client declared in its upgrade; the same cursor
