@@ -439,8 +439,10 @@ def test_the_replacement_shell_is_started_after_the_calls_exit_is_reported(tmp_p
         assert second.pid == waiting.pid  # the call took the idle shell
         assert host.pool.idle == []
         assert 0 < host._refill_wait() <= command_host.REFILL_AFTER_S
-        assert host.refill_since is not None
-        host.refill_since -= command_host.REFILL_AFTER_S  # REFILL_AFTER_S later, still running
+        assert host.pending_refill is not None
+        host.pending_refill = host.pending_refill._replace(  # REFILL_AFTER_S later, still running
+            since=host.pending_refill.since - command_host.REFILL_AFTER_S
+        )
         assert host._refill_wait() == 0.0
         host._refill()
         assert len(host.pool.idle) == 1 and host.pool.idle[0].pid != second.pid

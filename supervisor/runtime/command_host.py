@@ -128,6 +128,13 @@ REAP_IN_CALL_CGROUP_POLL_S = 0.001
 STAT_READ_BYTES = 4096
 
 
+class PendingRefill(NamedTuple):
+    """Idle shells to start again for `spec`, asked for since `since` (monotonic)."""
+
+    spec: HolderSpec
+    since: float
+
+
 def refill_wait(pending_since: float | None, now: float, running: bool) -> float | None:
     """Seconds until a pending refill is due (0: now), None when none is pending: due once
     no command runs, or REFILL_AFTER_S after it was asked for."""
@@ -532,9 +539,7 @@ class Host:
             except OSError:
                 pass
         self.selector.register(daemon, selectors.EVENT_READ, self._on_daemon)
-        # The spec whose idle shells are to be started again (`refill_wait`), and since when.
-        self.refill_spec: HolderSpec | None = None
-        self.refill_since: float | None = None
+        self.pending_refill: PendingRefill | None = None  # due as `refill_wait` says
 
     # -- the loop --
 
@@ -561,19 +566,20 @@ class Host:
 
     def _refill_wait(self) -> float | None:
         running = any(command.status is None for command in self.commands.values())
-        return refill_wait(self.refill_since, time.monotonic(), running)
+        pending = self.pending_refill
+        return refill_wait(None if pending is None else pending.since, time.monotonic(), running)
 
     def _refill_later(self, spec: HolderSpec) -> None:
         """Ask for `spec`'s idle shells to be started again (`refill_wait` says when): after
-        the answer, off the call's path."""
-        if self.refill_since is None:
-            self.refill_since = time.monotonic()
-        self.refill_spec = spec
+        the answer, off the call's path. A refill already pending keeps its time, for the
+        newest spec."""
+        pending = self.pending_refill
+        self.pending_refill = PendingRefill(spec, time.monotonic() if pending is None else pending.since)
 
     def _refill(self) -> None:
-        spec, self.refill_spec, self.refill_since = self.refill_spec, None, None
-        if spec is not None and self.daemon is not None:
-            self.pool.refill(spec)
+        pending, self.pending_refill = self.pending_refill, None
+        if pending is not None and self.daemon is not None:
+            self.pool.refill(pending.spec)
 
     def _select_timeout(self) -> float | None:
         polled = any(c.pidfd is None and c.status is None for c in self.commands.values())
@@ -747,7 +753,7 @@ class Host:
     def _take_over(self) -> None:
         assert self.daemon is not None
         self.pool.clear()
-        self.refill_spec = self.refill_since = None
+        self.pending_refill = None
         self.selector.unregister(self.daemon)
         self.daemon.close()
         self.daemon = None
