@@ -3,10 +3,12 @@ with a real daemon subprocess that exits 78."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import trio
+import trio_websocket
 
 from sandbox_supervisor.daemon.auth.gate import Lifecycle
 from sandbox_supervisor.testing.client import BootstrapRejected, default_bootstrap_body, http_request
@@ -270,7 +272,6 @@ async def test_startup_stage_facts_when_the_readiness_snapshot_cannot_be_read(tm
     """The persisted stage's line is written with the readiness stage's, after runtime.state
     went out or failed to: when the state cannot be read for runtime.state, both lines are
     still written, in order, the second a failure, and the socket closes 1011."""
-    import trio_websocket
 
     from sandbox_supervisor.daemon.state.store import StoreError
 
@@ -294,4 +295,47 @@ async def test_startup_stage_facts_when_the_readiness_snapshot_cannot_be_read(tm
     assert [(f["stage"], f["outcome"]) for f in facts] == [
         ("bootstrap-persisted", "success"),
         ("bootstrap-readiness-sent", "failure"),
+    ]
+
+
+async def test_startup_stage_facts_when_the_socket_is_superseded_while_sending_readiness(
+    tmp_path, authority, log_lines, monkeypatch
+):
+    """A socket superseded while its runtime.state is being written still logs both stage
+    lines, in order (the binding was persisted), the readiness one a failure."""
+    from sandbox_supervisor.daemon.websocket import ServerWebSocket
+
+    real_send_message = ServerWebSocket.send_message
+    stuck = trio.Event()
+
+    async def send_message(self, message, *args, **kwargs):
+        if not stuck.is_set() and '"runtime.state"' in str(message):
+            stuck.set()
+            await trio.sleep_forever()  # a peer that does not read: only a cancel ends it
+        return await real_send_message(self, message, *args, **kwargs)
+
+    monkeypatch.setattr(ServerWebSocket, "send_message", send_message)
+    layout = make_layout(tmp_path / "d", authority=authority)
+    async with in_process_daemon(layout) as daemon:
+        client = daemon.client()
+        async with trio.open_nursery() as nursery:
+
+            async def first() -> None:
+                with trio.move_on_after(10), contextlib.suppress(trio_websocket.ConnectionClosed):
+                    async with client.connect() as session:
+                        await session.bootstrap(cwd=str(layout.workspace))
+
+            nursery.start_soon(first)
+            with trio.fail_after(10):
+                await stuck.wait()
+            assert daemon.supervisor.store.binding() is not None  # persisted before the send
+            async with client.connect() as session:  # supersedes the stuck socket
+                await session.bootstrap(cwd=str(layout.workspace))
+            nursery.cancel_scope.cancel()
+    facts = [(e["stage"], e["outcome"]) for e in log_lines() if e.get("event") == "sandbox.startup-stage"]
+    assert facts == [
+        ("bootstrap-persisted", "success"),
+        ("bootstrap-readiness-sent", "failure"),
+        ("bootstrap-persisted", "success"),
+        ("bootstrap-readiness-sent", "success"),
     ]

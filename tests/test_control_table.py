@@ -109,8 +109,8 @@ def error(code: str, message: str, call_id: str | None = None) -> list:
 
 BODY_MODEL = BootstrapBody.model_validate(BODY)
 BINDING = [
-    (Bound(BODY_MODEL, True), [SendReadiness(BODY_MODEL, True)], ChannelState.ATTACHED),
-    (Bound(BODY_MODEL, False), [SendReadiness(BODY_MODEL, False)], ChannelState.ATTACHED),
+    (Bound(BODY_MODEL, True, 1.25), [SendReadiness(BODY_MODEL, True, 1.25)], ChannelState.ATTACHED),
+    (Bound(BODY_MODEL, False, 0.5), [SendReadiness(BODY_MODEL, False, 0.5)], ChannelState.ATTACHED),
     (BindRefused(errors.CWD_INVALID, "no"), [Reject(errors.CWD_INVALID, "no")], ChannelState.REJECTING),
     (BindFailed(), close(1011, closes.INTERNAL_REASON), ChannelState.CLOSED),
     # A first bootstrap that would bind without session:control: refused, closed, nothing terminates.
@@ -138,13 +138,13 @@ def test_a_refused_rebinding_leaves_the_socket_attached():
 def test_a_binding_outcome_after_a_close_request_does_nothing():
     machine = channel(ChannelState.BINDING)
     machine.close_requested()
-    assert machine.binding_decided(Bound(BODY_MODEL, True)) == []
+    assert machine.binding_decided(Bound(BODY_MODEL, True, 1.25)) == []
     assert machine.state is ChannelState.CLOSED
 
 
 def test_a_binding_outcome_outside_binding_is_a_local_error():
     with pytest.raises(LocalProtocolError):
-        channel(ChannelState.ATTACHED).binding_decided(Bound(BODY_MODEL, True))
+        channel(ChannelState.ATTACHED).binding_decided(Bound(BODY_MODEL, True, 1.25))
 
 
 def test_readiness_that_cannot_be_sent_closes_1011():

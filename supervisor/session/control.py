@@ -104,7 +104,7 @@ class SendReadiness:
 
     body: BootstrapBody
     newly_bound: bool
-    persist_ms: float = 0.0  # the `bootstrap-persisted` stage's duration, logged once this is sent
+    persist_ms: float  # the `bootstrap-persisted` stage's duration, logged once this is sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +142,7 @@ Action = Reply | Close | Bind | SendReadiness | Reject | SubmitCall | Acknowledg
 class Bound:
     body: BootstrapBody
     newly_bound: bool
-    persist_ms: float = 0.0  # how long persisting the binding took (0 when it was bound already)
+    persist_ms: float  # the `bootstrap-persisted` stage's duration (nothing written: about 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from sandbox_supervisor.daemon.session.control import (
     Acknowledge,
     Action,
     Bind,
+    Bound,
     Close,
     Reject,
     Reply,
@@ -271,7 +272,11 @@ class ControlSocket:
                     action.body, services.store, services.status, services.binding_rules, self.log,
                     may_bind=action.may_bind,
                 )
-                if not await self._carry_out(self.channel.binding_decided(outcome)):
+                decided = self.channel.binding_decided(outcome)
+                if isinstance(outcome, Bound) and not decided:
+                    # Closed meanwhile (superseded, stopping): no readiness follows to log with.
+                    bootstrap.log_stage(bootstrap.STAGE_PERSISTED, "success", outcome.persist_ms, outcome.body.sessionId)
+                if not await self._carry_out(decided):
                     return False
             elif isinstance(action, SendReadiness):
                 if not await self._send_readiness(action):
@@ -288,14 +293,34 @@ class ControlSocket:
             await self._send_now(text)
 
     async def _send_readiness(self, action: SendReadiness) -> bool:
-        services, conn = self.services, self.conn
         started = time.monotonic()
+        failed: list[Action] | None = None
+        sent = False
+        try:
+            failed = await self._write_readiness(action)
+            sent = failed is None
+        finally:
+            # Both stages' lines, in order, once runtime.state went out or did not (a failed
+            # write, the state unreadable, or a cancel: superseded, stopping). The persisted
+            # stage is timed by `bootstrap.bind` and logged only here, so that no log write
+            # stands between the commit and the frame the client is waiting for.
+            readiness_ms = bootstrap.elapsed_ms(started)
+            session_id = action.body.sessionId
+            bootstrap.log_stage(bootstrap.STAGE_PERSISTED, "success", action.persist_ms, session_id)
+            bootstrap.log_stage(bootstrap.STAGE_READINESS_SENT, "success" if sent else "failure", readiness_ms, session_id)
+        if failed is not None:
+            return await self._carry_out(failed)
+        self.log.info("session.attached", newly_bound=action.newly_bound)
+        return True
+
+    async def _write_readiness(self, action: SendReadiness) -> list[Action] | None:
+        """Send runtime.state (None), or what the channel does when it cannot be sent."""
+        services, conn = self.services, self.conn
         try:
             snapshot = services.store.snapshot()
         except StoreError:
             self.log.exception("bootstrap.state_unavailable")
-            self._log_stages(action, "failure", started)
-            return await self._carry_out(self.channel.state_unavailable())
+            return self.channel.state_unavailable()
         frame = bootstrap.readiness_frame(
             action.body,
             generation=conn.generation,
@@ -308,22 +333,10 @@ class ControlSocket:
             # Re-attached on a socket that already has its sender: queued like any reply.
             await self.sender.reply(encode_frame(frame))
         elif not await self._send_now(encode_frame(frame)):
-            self._log_stages(action, "failure", started)
-            return await self._carry_out(self.channel.readiness_failed())
+            return self.channel.readiness_failed()
         else:
             self._start_sender()
-        self._log_stages(action, "success", started)
-        self.log.info("session.attached", newly_bound=action.newly_bound)
-        return True
-
-    @staticmethod
-    def _log_stages(action: SendReadiness, readiness: str, started: float) -> None:
-        # Both stages' lines are written once runtime.state went out (or failed to), in their
-        # order: the persisted stage is timed by `bootstrap.bind`, and logged here so that
-        # neither line stands between the commit and the frame the client is waiting for.
-        session_id = action.body.sessionId
-        bootstrap.log_stage(bootstrap.STAGE_PERSISTED, "success", action.persist_ms, session_id)
-        bootstrap.log_stage(bootstrap.STAGE_READINESS_SENT, readiness, bootstrap.elapsed_ms(started), session_id)
+        return None
 
     def _start_sender(self) -> None:
         # Replay starts after the floor the client declared in its upgrade; the same cursor
