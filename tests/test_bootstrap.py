@@ -272,7 +272,6 @@ async def test_startup_stage_facts_when_the_readiness_snapshot_cannot_be_read(tm
     """The persisted stage's line is written with the readiness stage's, after runtime.state
     went out or failed to: when the state cannot be read for runtime.state, both lines are
     still written, in order, the second a failure, and the socket closes 1011."""
-
     from sandbox_supervisor.daemon.state.store import StoreError
 
     layout = make_layout(tmp_path / "d", authority=authority)
