@@ -66,7 +66,8 @@ def _dict_keys(node: ast.AST) -> list[tuple[str, ast.AST]]:
 def _fields(trees: dict[Path, ast.AST]):
     """(where, event, field name) of every field a log call can write. A `**expansion` is
     followed: a dict bound in the same function, a `**kwargs` parameter (its callers' keyword
-    names), or a method's returned dict (its literal keys); any other is reported as such."""
+    names), or a method's or function's returned dict (its literal keys); any other is
+    reported as such."""
     functions = {}
     for tree in trees.values():
         for node in ast.walk(tree):
@@ -107,8 +108,9 @@ def _fields(trees: dict[Path, ast.AST]):
                             for key, _ in _dict_keys(node):
                                 yield where, event, key
                         continue
-                if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
-                    providers = functions.get(value.func.attr, [])
+                if isinstance(value, ast.Call) and isinstance(value.func, (ast.Attribute, ast.Name)):
+                    name = value.func.attr if isinstance(value.func, ast.Attribute) else value.func.id
+                    providers = functions.get(name, [])
                     keys = [key for provider in providers for key, _ in _dict_keys(provider)]
                     if keys:
                         for key in keys:

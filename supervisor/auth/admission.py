@@ -23,7 +23,7 @@ from sandbox_supervisor.protocol.authority import (
     verify_assertion,
 )
 from sandbox_supervisor.protocol.headers import RoutingHeaders
-from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, decide_upgrade, refuse
+from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, attempt_ids, decide_upgrade, refuse
 from sandbox_supervisor.daemon.auth.identity import SandboxIdentity
 from sandbox_supervisor.daemon.auth.keyring import KeyRing
 from sandbox_supervisor.daemon.edge.http_front import RequestHead
@@ -137,19 +137,17 @@ class UpgradeAdmission:
             self._telemetry.upgrade(UPGRADE_ACCEPTED if isinstance(decision, Admit) else decision.code)
         if isinstance(decision, Admit):
             return  # its line is `log_accepted`'s, once its 101 is out: the client waits for the 101
-        headers = decision.headers
-        ids = (
-            {"session_id": headers.session_id, "generation": headers.generation, "attempt_id": headers.attempt_id}
-            if headers is not None
-            else {}
+        safe_log(
+            log,
+            "upgrade.rejected",
+            error=decision.code,
+            status=decision.status,
+            detail=decision.detail,
+            **attempt_ids(decision.headers),
         )
-        safe_log(log, "upgrade.rejected", error=decision.code, status=decision.status, detail=decision.detail, **ids)
 
 
 def log_accepted(admit: Admit) -> None:
     """The line of an admitted upgrade, written after its 101 (the refusals' are written by
     `UpgradeAdmission` before theirs)."""
-    headers = admit.headers
-    safe_log(
-        log, "upgrade.accepted", session_id=headers.session_id, generation=headers.generation, attempt_id=headers.attempt_id
-    )
+    safe_log(log, "upgrade.accepted", **attempt_ids(admit.headers))

@@ -53,6 +53,14 @@ class Refuse:
         return []
 
 
+def attempt_ids(headers: RoutingHeaders | None) -> dict[str, str | int]:
+    """The fields that name an upgrade attempt in its log lines (none when the headers did
+    not parse)."""
+    if headers is None:
+        return {}
+    return {"session_id": headers.session_id, "generation": headers.generation, "attempt_id": headers.attempt_id}
+
+
 def refuse(code: str, detail: str, headers: RoutingHeaders | None = None) -> Refuse:
     status, message = errors.HTTP_ERRORS[code]
     return Refuse(status, code, message, detail, headers)

@@ -25,7 +25,7 @@ import trio
 from sandbox_supervisor.protocol.addresses import format_host_port, parse_host_port
 from sandbox_supervisor.daemon.edge import http_front
 from sandbox_supervisor.daemon.websocket import ServerWebSocket, StreamIO, accept_response
-from sandbox_supervisor.daemon.auth.gate import Admit, Refuse
+from sandbox_supervisor.daemon.auth.gate import Admit, Refuse, attempt_ids
 
 log = structlog.get_logger("supervisor.server")
 
@@ -429,13 +429,7 @@ async def handle_stream(stream: trio.abc.HalfCloseableStream, app: ConnectionApp
                 await io.send_all(accept_response(http_front.websocket_key(head)))
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             # Admitted and recorded (the fence moved), so the line names the attempt.
-            log.info(
-                "websocket.handshake_failed",
-                reason=type(exc).__name__,
-                session_id=decision.headers.session_id,
-                generation=decision.headers.generation,
-                attempt_id=decision.headers.attempt_id,
-            )
+            log.info("websocket.handshake_failed", reason=type(exc).__name__, **attempt_ids(decision.headers))
             await trio.aclose_forcefully(stream)
             return
         release()
