@@ -18,6 +18,7 @@ import platform
 import re
 import statistics
 import subprocess
+import shutil
 import sys
 import tempfile
 import time
@@ -174,7 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                     workdir = Path(tmp) / f"{name}-{attempt}"
                     workdir.mkdir()
                     t1 = time.perf_counter()
-                    result = trio.run(benchmarks[name].run, mode, workdir)
+                    try:
+                        result = trio.run(benchmarks[name].run, mode, workdir)
+                    finally:
+                        # What a run wrote (spools, patched files, databases) goes with it,
+                        # not at the end of the whole run: left in the page cache, it slows
+                        # the file writes of the rows after it (bench/README.md, "the page
+                        # cache").
+                        shutil.rmtree(workdir, ignore_errors=True)
                     runs.append(result)
                     if repeats > 1:
                         print(f"{result.line(f'RUN {attempt + 1}/{repeats}')} [{time.perf_counter() - t1:.1f} s]", flush=True)

@@ -197,12 +197,15 @@ async def alternated(
     on_daemon: Callable[[Driver], Awaitable[U]],
     check_peer: Callable[[T], None],
     check_daemon: Callable[[U], None],
+    after_daemon: Callable[[Path, U], None] | None = None,
 ) -> tuple[list[float], list[float], CpuMeter, int]:
     """One SWE-ReX server and one daemon with a bootstrapped socket; samples alternate in
     blocks (peer, daemon, …: `common.alternate`), each timed around its callable, the warm-up
     ones discarded. What each returns is checked, and the daemon's events acked, after its
-    timer stops. The daemon's times, the peer's, both servers' CPU after the warm-up, and how
-    many operations each side did meanwhile (the count to divide that CPU by)."""
+    timer stops; then `after_daemon`, if given, is called with the daemon's state directory
+    and what its callable returned (output_10mb removes the sample's spool there). The
+    daemon's times, the peer's, both servers' CPU after the warm-up, and how many operations
+    each side did meanwhile (the count to divide that CPU by)."""
     async with swerex_server(workdir / "swerex.log") as rex, daemon(workdir / "daemon") as (process, running):
         client = running.client()
         async with rex.client() as http, client.connect() as session:
@@ -223,6 +226,8 @@ async def alternated(
                 elapsed = now() - started
                 check_daemon(result)
                 await driver.maybe_ack()
+                if after_daemon is not None:
+                    after_daemon(running.layout.state_dir, result)
                 return elapsed
 
             peer, measured, done = await alternate(
