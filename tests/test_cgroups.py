@@ -925,6 +925,79 @@ async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_
                     kill_quietly(escaped)
 
 
+def daemon_cgroups(daemon: Any) -> cgroups.Cgroups:
+    """An in-process daemon's cgroups (its mode's)."""
+    assert daemon.supervisor is not None and daemon.supervisor.cgroups is not None
+    return daemon.supervisor.cgroups
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_ended_held_processs_cgroup_is_removed_off_the_event_loop(tmp_path, authority, mode, monkeypatch):
+    """An rmdir of a cgroup can wait milliseconds for the kernel to take the group offline:
+    the held process's tending hands it to a worker thread, never the event loop's, which
+    serves every session meanwhile."""
+    removals: list[tuple[str, bool]] = []  # (cgroup name, on the event loop's thread)
+    remove = cgroups.CommandCgroup.remove
+
+    def recording(self: cgroups.CommandCgroup) -> bool:
+        removals.append((self.name, threading.current_thread() is threading.main_thread()))
+        return remove(self)
+
+    monkeypatch.setattr(cgroups.CommandCgroup, "remove", recording)
+    with layout_in_mode(tmp_path, authority, mode) as layout:
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                # It runs until its stdin ends, so that its cgroup can be read first.
+                call_id = await session.call("start_process", {"command": "cat > /dev/null; exit 3"}, idempotency_key="h-rm")
+                started = await session.result(call_id)
+                assert started["ok"], started
+                membership = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
+                await session.close_stdin(call_id, 0)
+                assert (await _held_completed(session, call_id))["exit_code"] == 3
+                with trio.fail_after(DEADLINE_S):
+                    # Removed, not just attempted: the process's cgroup directory is gone.
+                    while call_id not in {name for name, _ in removals} or any(
+                        cgroup.name == call_id for cgroup in daemon_cgroups(daemon).existing()
+                    ):
+                        await trio.sleep(POLL_S)
+    assert membership.endswith("/" + call_id), membership
+    held = [on_loop for name, on_loop in removals if name == call_id]
+    assert held and not any(held), removals
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_stop_ends_a_detached_descendant_of_an_ended_held_process(tmp_path, authority, mode):
+    """The process and its holder ended, but a child it started with setsid and its own
+    stdio runs on in the cgroup: the cgroup's removal (in a worker thread) finds it busy and
+    keeps it, and the stop ends the child."""
+    with layout_in_mode(tmp_path, authority, mode, {"kill_grace_ms": 300}) as layout:
+        detaches = (
+            "setsid -f sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped.pid; exec sleep 300'"
+            " < /dev/null > /dev/null 2>&1; exit 0"
+        )
+        async with in_process_daemon(layout) as daemon:
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                call_id = await session.call("start_process", {"command": detaches}, idempotency_key="h-detached")
+                assert (await session.result(call_id))["ok"]
+                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                pid_file = layout.workspace / "escaped.pid"
+                host = daemon.supervisor.processes if daemon.supervisor is not None else None
+                assert host is not None
+                with trio.fail_after(DEADLINE_S):
+                    # Its tending is over (the holder gone) and the busy cgroup kept.
+                    while not pid_file.exists() or call_id in host.processes or not host.lingering:
+                        await trio.sleep(POLL_S)
+                escaped = int(pid_file.read_text())
+                assert alive(escaped)
+                assert [cgroup.name for cgroup in host.lingering] == [call_id]
+        try:
+            await wait_dead(escaped)  # the daemon's stop ended it
+        finally:
+            kill_quietly(escaped)
+
+
 @needs_v1_memory
 async def test_a_held_process_killed_by_its_memory_limit_says_so(tmp_path, authority):
     layout = make_layout(tmp_path / "d", authority=authority, exec={"memory_max": 32 * MIB})

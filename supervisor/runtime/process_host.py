@@ -124,6 +124,11 @@ class ProcessHost:
         self._start_done = trio.Event()
         # Cgroups of ended processes whose descendants still run: ended at the stop.
         self.lingering: list[CommandCgroup] = []
+        # Ended processes' cgroups being removed in a worker thread (`_remove_cgroup`): the
+        # stop ends what they hold too, and one found busy after the stop's sweep is ended
+        # there and then.
+        self._removing: list[CommandCgroup] = []
+        self._swept = False
         self.leaving = False  # the daemon stops and leaves its processes running
 
     # --- the start_process tool -------------------------------------------------------
@@ -272,11 +277,30 @@ class ProcessHost:
                 await link.aclose()
             if process.ended.is_set():
                 self.processes.pop(process.call_id, None)
-                if process.cgroup is not None and not process.cgroup.remove():
-                    # Still busy: a descendant outlived the process and its holder (a server
-                    # it started in the background, say). It keeps running, as a command's
-                    # background descendants do (§7.4.5), until the stop ends it.
-                    self.lingering.append(process.cgroup)
+                if process.cgroup is not None:
+                    await self._remove_cgroup(process.cgroup)
+
+    async def _remove_cgroup(self, cgroup: CommandCgroup) -> None:
+        """Remove an ended process's cgroup in a worker thread: an rmdir waits for the kernel
+        to take the group offline (up to 20 ms measured, ready_cgroups.py), and the event loop
+        serves every session's frames meanwhile. Shielded, so that a stop that cancels the
+        tending waits for the rmdir (bounded) rather than lose track of the cgroup."""
+        self._removing.append(cgroup)
+        try:
+            with trio.CancelScope(shield=True):
+                removed = await trio.to_thread.run_sync(cgroup.remove)
+        finally:
+            self._removing.remove(cgroup)
+        if removed:
+            return
+        # Still busy: a descendant outlived the process and its holder (a server it started
+        # in the background, say). It keeps running, as a command's background descendants
+        # do (§7.4.5), until the stop ends it; once the stop has swept (`stop_all`), now.
+        if self._swept:
+            cgroup.kill()
+            cgroup.remove()
+        else:
+            self.lingering.append(cgroup)
 
     async def _connect(self, process: HeldProcess) -> HolderLink | None:
         """A link to the process's holder, or None once it is gone. A holder that still runs
@@ -585,10 +609,13 @@ class ProcessHost:
                 # command's descendants are (§10.1). Without cgroups such a child escapes, as
                 # it escapes a command's process group.
                 process.cgroup.kill()
+        for cgroup in self._removing:
+            cgroup.kill()  # its removal, under way, then finds it empty (or ends it itself)
         for cgroup in self.lingering:
             cgroup.kill()
             cgroup.remove()
         self.lingering.clear()
+        self._swept = True
 
     async def _terminate(self, process: HeldProcess) -> None:
         if process.link is not None:
