@@ -14,7 +14,8 @@ SWE-ReX's answer reuses its own heap. Measured with 3 GB of unrelated files in t
 (40 samples): call → result 45.3 ms with every spool kept, 19.3 ms with each one removed; on
 a machine just emptied of them, 19.2 and 18.7 ms. A sandbox's spools are bounded
 (`exec.spool_total_max_bytes`, the oldest pruned), so in a long session its page cache is
-recycled too (bench/README.md, "the page cache").
+recycled too (bench/README.md, "the page cache"). The removal is the benchmark's, so neither
+side's CPU figure counts it (a daemon's own prune would be its CPU); its time is out of both.
 
 Peer: SWE-ReX's server (bench/swerex_peer.py) on 127.0.0.1, one keep-alive HTTP connection,
 `POST /execute` of the same command as `["/bin/bash", "-c", command]`, until its JSON answer is

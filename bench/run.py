@@ -16,9 +16,9 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
-import shutil
 import sys
 import tempfile
 import time

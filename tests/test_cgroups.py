@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -966,20 +967,23 @@ async def test_an_ended_held_processs_cgroup_is_removed_off_the_event_loop(tmp_p
     assert held and not any(held), removals
 
 
+# A held process that leaves a child with stdio of its own behind, in its cgroup.
+DETACHES = (
+    "setsid -f sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped.pid; exec sleep 300'"
+    " < /dev/null > /dev/null 2>&1; exit 0"
+)
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_stop_ends_a_detached_descendant_of_an_ended_held_process(tmp_path, authority, mode):
     """The process and its holder ended, but a child it started with setsid and its own
     stdio runs on in the cgroup: the cgroup's removal (in a worker thread) finds it busy and
     keeps it, and the stop ends the child."""
-    with layout_in_mode(tmp_path, authority, mode, {"kill_grace_ms": 300}) as layout:
-        detaches = (
-            "setsid -f sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped.pid; exec sleep 300'"
-            " < /dev/null > /dev/null 2>&1; exit 0"
-        )
+    with layout_in_mode(tmp_path, authority, mode) as layout:
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
-                call_id = await session.call("start_process", {"command": detaches}, idempotency_key="h-detached")
+                call_id = await session.call("start_process", {"command": DETACHES}, idempotency_key="h-detached")
                 assert (await session.result(call_id))["ok"]
                 assert (await _held_completed(session, call_id))["exit_code"] == 0
                 pid_file = layout.workspace / "escaped.pid"
@@ -996,6 +1000,48 @@ async def test_a_stop_ends_a_detached_descendant_of_an_ended_held_process(tmp_pa
             await wait_dead(escaped)  # the daemon's stop ended it
         finally:
             kill_quietly(escaped)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path, authority, mode, monkeypatch):
+    """The held process ended and its cgroup's removal (a worker thread's) was still under way
+    when the stop swept the lingering cgroups: the removal, finding the cgroup busy after the
+    sweep, ends the descendant itself."""
+    held: dict[str, Any] = {}  # the call_id, the process host
+    order: list[bool] = []  # per removal of the call's cgroup in a worker thread: swept by then
+    remove = cgroups.CommandCgroup.remove
+
+    def after_the_sweep(self: cgroups.CommandCgroup) -> bool:
+        if self.name == held.get("call_id") and threading.current_thread() is not threading.main_thread():
+            deadline = time.monotonic() + DEADLINE_S
+            while not held["host"]._swept and time.monotonic() < deadline:
+                time.sleep(POLL_S)  # a worker thread: the event loop goes on meanwhile
+            order.append(held["host"]._swept)
+        return remove(self)
+
+    monkeypatch.setattr(cgroups.CommandCgroup, "remove", after_the_sweep)
+    with layout_in_mode(tmp_path, authority, mode) as layout:
+        async with in_process_daemon(layout) as daemon:
+            assert daemon.supervisor is not None and daemon.supervisor.processes is not None
+            host = held["host"] = daemon.supervisor.processes
+            async with daemon.client().connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                held["call_id"] = call_id = "8a3c1f7e-3b8e-4d4c-9a57-1f0e2d3c4b5a"
+                await session.call("start_process", {"command": DETACHES}, idempotency_key="h-swept", call_id=call_id)
+                assert (await session.result(call_id))["ok"]
+                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                pid_file = layout.workspace / "escaped.pid"
+                with trio.fail_after(DEADLINE_S):
+                    # Its tending has forgotten it and is removing its cgroup.
+                    while not pid_file.exists() or call_id in host.processes:
+                        await trio.sleep(POLL_S)
+                escaped = int(pid_file.read_text())
+                assert alive(escaped) and not host.lingering
+        try:
+            await wait_dead(escaped)  # ended by the removal, after the stop's sweep
+        finally:
+            kill_quietly(escaped)
+    assert order == [True, True]  # the busy removal, then the one after the kill
 
 
 @needs_v1_memory

@@ -124,10 +124,8 @@ class ProcessHost:
         self._start_done = trio.Event()
         # Cgroups of ended processes whose descendants still run: ended at the stop.
         self.lingering: list[CommandCgroup] = []
-        # Ended processes' cgroups being removed in a worker thread (`_remove_cgroup`): the
-        # stop ends what they hold too, and one found busy after the stop's sweep is ended
-        # there and then.
-        self._removing: list[CommandCgroup] = []
+        # Set once the stop has ended the lingering cgroups (`stop_all`): an ended process's
+        # cgroup found busy after that (its removal was under way) is ended by its removal.
         self._swept = False
         self.leaving = False  # the daemon stops and leaves its processes running
 
@@ -274,7 +272,9 @@ class ProcessHost:
         finally:
             process.close_files()
             if link is not None:
-                await link.aclose()
+                # Without a checkpoint: a stop's cancellation landing here would skip what
+                # follows (the process forgotten, its cgroup removed).
+                link.close_now()
             if process.ended.is_set():
                 self.processes.pop(process.call_id, None)
                 if process.cgroup is not None:
@@ -285,22 +285,20 @@ class ProcessHost:
         to take the group offline (up to 20 ms measured, ready_cgroups.py), and the event loop
         serves every session's frames meanwhile. Shielded, so that a stop that cancels the
         tending waits for the rmdir (bounded) rather than lose track of the cgroup."""
-        self._removing.append(cgroup)
-        try:
-            with trio.CancelScope(shield=True):
-                removed = await trio.to_thread.run_sync(cgroup.remove)
-        finally:
-            self._removing.remove(cgroup)
-        if removed:
-            return
-        # Still busy: a descendant outlived the process and its holder (a server it started
-        # in the background, say). It keeps running, as a command's background descendants
-        # do (§7.4.5), until the stop ends it; once the stop has swept (`stop_all`), now.
-        if self._swept:
-            cgroup.kill()
-            cgroup.remove()
-        else:
-            self.lingering.append(cgroup)
+        with trio.CancelScope(shield=True):
+            if await trio.to_thread.run_sync(cgroup.remove):
+                return
+            # Still busy: a descendant outlived the process and its holder (a server it
+            # started in the background, say). It keeps running, as a command's background
+            # descendants do (§7.4.5), until the stop ends it: with the lingering ones, or,
+            # when the stop has swept them while this removal was under way, here (a v1 kill
+            # can wait seconds for the freezer: a worker thread's wait too). A cgroup the
+            # kill leaves busy a moment longer goes with the leftovers (Cgroups.close, or
+            # the next start's `kill_leftovers`).
+            if self._swept:
+                await trio.to_thread.run_sync(_kill_and_remove, cgroup)
+            else:
+                self.lingering.append(cgroup)
 
     async def _connect(self, process: HeldProcess) -> HolderLink | None:
         """A link to the process's holder, or None once it is gone. A holder that still runs
@@ -609,8 +607,6 @@ class ProcessHost:
                 # command's descendants are (§10.1). Without cgroups such a child escapes, as
                 # it escapes a command's process group.
                 process.cgroup.kill()
-        for cgroup in self._removing:
-            cgroup.kill()  # its removal, under way, then finds it empty (or ends it itself)
         for cgroup in self.lingering:
             cgroup.kill()
             cgroup.remove()
@@ -632,6 +628,13 @@ class ProcessHost:
     def live_spools(self) -> set[str]:
         """The call_ids whose spools a holder may still write (never pruned)."""
         return set(self.processes)
+
+
+def _kill_and_remove(cgroup: CommandCgroup) -> None:
+    # An OSError: the cgroup went meanwhile (emptied and removed), with nothing left to end.
+    with contextlib.suppress(OSError):
+        cgroup.kill()
+    cgroup.remove()
 
 
 def unix_time(iso: str) -> float:
