@@ -672,11 +672,10 @@ async def test_cgroups_made_ahead_go_to_pooled_calls_when_offered_and_are_skippe
         assert ready.take(pooled=False) is None  # the removed ones are not handed out
 
 
-@parametrize_modes
-async def test_a_finished_commands_cgroup_is_removed_off_the_event_loop(store, tmp_path, mode_cgroups, monkeypatch):
-    """An rmdir of a cgroup can wait milliseconds for the kernel to take the group offline:
-    `_forget` hands it to a worker thread (ReadyCgroups.retire), never the event loop's."""
-    removals: list[tuple[str, bool]] = []  # (cgroup name, on the event loop's thread)
+def record_removals(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every CommandCgroup.remove from now on, as (cgroup name, made on the event loop's
+    thread), the removal itself done as before."""
+    removals: list[tuple[str, bool]] = []
     remove = cgroups.CommandCgroup.remove
 
     def recording(self: cgroups.CommandCgroup) -> bool:
@@ -684,6 +683,14 @@ async def test_a_finished_commands_cgroup_is_removed_off_the_event_loop(store, t
         return remove(self)
 
     monkeypatch.setattr(cgroups.CommandCgroup, "remove", recording)
+    return removals
+
+
+@parametrize_modes
+async def test_a_finished_commands_cgroup_is_removed_off_the_event_loop(store, tmp_path, mode_cgroups, monkeypatch):
+    """An rmdir of a cgroup can wait milliseconds for the kernel to take the group offline:
+    `_forget` hands it to a worker thread (ReadyCgroups.retire), never the event loop's."""
+    removals = record_removals(monkeypatch)
     async with runtime(store, tmp_path, mode_cgroups) as rig:
         for _ in range(2):  # the first makes its own cgroup, the second takes one made ahead
             result, _ = await rig.run("true")
@@ -895,6 +902,15 @@ async def test_a_cgroup_removed_on_every_attempt_frees_the_key(tmp_path, authori
 # --- held processes (start_process, docs/protocol.md §7.7) -------------------------------------
 
 
+async def _held_ran(session, command: str, key: str, call_id: str | None = None) -> str:
+    """Start `command` as a held process and wait for its exec.completed, exit status 0; its
+    call_id."""
+    call_id = await session.call("start_process", {"command": command}, idempotency_key=key, call_id=call_id)
+    assert (await session.result(call_id))["ok"]
+    assert (await _held_completed(session, call_id))["exit_code"] == 0
+    return call_id
+
+
 async def _held_completed(session, call_id: str) -> dict[str, Any]:
     frame = await session.receive_until(
         lambda f: f["kind"] == EXEC_COMPLETED and f["body"]["call_id"] == call_id, timeout=DEADLINE_S
@@ -937,14 +953,7 @@ async def test_an_ended_held_processs_cgroup_is_removed_off_the_event_loop(tmp_p
     """An rmdir of a cgroup can wait milliseconds for the kernel to take the group offline:
     the held process's tending hands it to a worker thread, never the event loop's, which
     serves every session meanwhile."""
-    removals: list[tuple[str, bool]] = []  # (cgroup name, on the event loop's thread)
-    remove = cgroups.CommandCgroup.remove
-
-    def recording(self: cgroups.CommandCgroup) -> bool:
-        removals.append((self.name, threading.current_thread() is threading.main_thread()))
-        return remove(self)
-
-    monkeypatch.setattr(cgroups.CommandCgroup, "remove", recording)
+    removals = record_removals(monkeypatch)
     with layout_in_mode(tmp_path, authority, mode) as layout:
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
@@ -983,9 +992,7 @@ async def test_a_stop_ends_a_detached_descendant_of_an_ended_held_process(tmp_pa
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
-                call_id = await session.call("start_process", {"command": DETACHES}, idempotency_key="h-detached")
-                assert (await session.result(call_id))["ok"]
-                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                call_id = await _held_ran(session, DETACHES, "h-detached")
                 pid_file = layout.workspace / "escaped.pid"
                 host = daemon.supervisor.processes if daemon.supervisor is not None else None
                 assert host is not None
@@ -1027,9 +1034,7 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
                 held["call_id"] = call_id = "8a3c1f7e-3b8e-4d4c-9a57-1f0e2d3c4b5a"
-                await session.call("start_process", {"command": DETACHES}, idempotency_key="h-swept", call_id=call_id)
-                assert (await session.result(call_id))["ok"]
-                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                await _held_ran(session, DETACHES, "h-swept", call_id)
                 pid_file = layout.workspace / "escaped.pid"
                 with trio.fail_after(DEADLINE_S):
                     # Its tending has forgotten it and is removing its cgroup.
@@ -1067,9 +1072,7 @@ async def test_a_stop_ends_what_an_ended_held_process_left_in_its_cgroup(tmp_pat
         async with in_process_daemon(layout) as daemon:
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
-                call_id = await session.call("start_process", {"command": leaves}, idempotency_key="h-left")
-                assert (await session.result(call_id))["ok"]
-                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                await _held_ran(session, leaves, "h-left")
                 pid_file = layout.workspace / "escaped.pid"
                 with trio.fail_after(DEADLINE_S):
                     while not pid_file.exists():
