@@ -5,8 +5,10 @@ a real daemon. Skips name the facility this machine lacks (tests/cgroup_support.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -53,7 +55,7 @@ from sandbox_supervisor.daemon.state.journal import Journal
 from sandbox_supervisor.daemon.state.store import RecordedProcess, StateStore
 from sandbox_supervisor.testing.client import http_request
 from sandbox_supervisor.testing.authority import LoopbackAuthority
-from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout
+from sandbox_supervisor.testing.daemon import DaemonLayout, in_process_daemon, make_layout, running_daemon
 from shell_support import rig_settings, shell_call
 
 DEADLINE_S = 10
@@ -1047,6 +1049,57 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
         finally:
             kill_quietly(escaped)
     assert order == [True, True]  # the busy removal, then the one after the kill
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_held_process_in_a_cgroup_made_ahead_is_kept_and_adopted_after_a_kill_9(tmp_path, authority, mode):
+    """A start takes a cgroup made ahead (its mkdirs off the start's path), whose name is not
+    the call's: the record keeps it, so a daemon started after a kill -9 keeps that cgroup
+    and its process (they are no leftovers) and adopts the cgroup by that name: what the
+    process left in it (a child with its own session and stdio) is ended by the stop."""
+    leaves_then_waits = DETACHES.replace("; exit 0", "; exec cat")
+    with layout_in_mode(tmp_path, authority, mode) as layout:
+        pid_file = layout.workspace / "escaped.pid"
+        async with running_daemon(layout) as process:
+            client = process.running.client()
+            async with client.connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                # The first start makes its own cgroup (and the refill of the ready ones
+                # begins); a later one takes a ready one once there is one.
+                with trio.fail_after(DEADLINE_S):
+                    for attempt in itertools.count():
+                        call_id = await session.call("start_process", {"command": "cat"}, idempotency_key=f"ahead-{attempt}")
+                        started = await session.result(call_id)
+                        assert started["ok"], started
+                        placed = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
+                        await session.close_stdin(call_id, 0)
+                        await _held_completed(session, call_id)
+                        if os.path.basename(placed).startswith(READY_PREFIX):
+                            break
+                    call_id = await session.call("start_process", {"command": leaves_then_waits}, idempotency_key="ahead-kept")
+                    started = await session.result(call_id)
+                    assert started["ok"], started
+                    pid = started["result"]["pid"]
+                    placed = membership_path(Path(f"/proc/{pid}/cgroup").read_text(), mode)
+                    while not pid_file.exists():
+                        await trio.sleep(POLL_S)
+            assert os.path.basename(placed).startswith(READY_PREFIX), placed
+            escaped = int(pid_file.read_text())
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
+            running = await process.start()
+            client.endpoint = running.tcp
+            async with client.connect() as session:
+                await session.bootstrap(cwd=str(layout.workspace))
+                assert alive(pid) and alive(escaped)  # not ended as leftovers of the killed daemon
+                assert membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode) == placed
+                await session.close_stdin(call_id, 0)  # adopted: its holder answers
+                assert (await _held_completed(session, call_id))["exit_code"] == 0
+                assert alive(escaped)
+        try:
+            await wait_dead(escaped)  # the stop ended it, through the adopted cgroup
+        finally:
+            kill_quietly(escaped)
 
 
 @needs_v1_memory

@@ -22,6 +22,7 @@ from sandbox_supervisor.daemon.state.store import (
     AlreadyBound,
     CallRetention,
     FenceRegressed,
+    HeldRecord,
     JtiReplayed,
     StateStore,
     StoreError,
@@ -560,6 +561,7 @@ def test_a_process_record_keeps_its_cgroups_name_and_an_older_one_reads_as_its_c
         conn.execute("INSERT INTO processes SELECT call_id, pid, pgid, start_ticks, recorded_at FROM processes_v8")
         conn.execute("DROP TABLE processes_v8")
         conn.execute("INSERT INTO processes VALUES (?, 4444, 4444, 99, 1e9)", (older,))
+        conn.execute("ALTER TABLE held DROP COLUMN cgroup")  # schema 9's
         conn.execute("PRAGMA user_version=7")
     conn.close()
     with StateStore.open(tmp_path) as store:
@@ -568,3 +570,45 @@ def test_a_process_record_keeps_its_cgroups_name_and_an_older_one_reads_as_its_c
         again = {row.call_id: row.cgroup for row in store.recorded_processes()}
     assert recorded == {ahead: ahead, named: named, older: older}  # the v7 rows knew no name
     assert again[ahead] == "ready-0123abcd" and again[older] == older
+
+
+def _held(call_id: str, cgroup: str | None = None) -> HeldRecord:
+    return HeldRecord(
+        call_id=call_id, tool_name="start_process", command="sleep 300", pty=False, pid=4242, pgid=4242,
+        start_ticks=99, holder_pid=4141, holder_start_ticks=98, started_at=1_700_000_000.0, origin=None,
+        context_json=json.dumps(_started(call_id)["context"]), cgroup=cgroup,
+    )
+
+
+def test_a_held_record_keeps_its_cgroups_name_and_an_older_one_reads_as_its_call_id(tmp_path: Path) -> None:
+    """Schema 9: a held process's cgroup made ahead is named apart from its call, so the
+    `held` record keeps the name; a record of schema 8, which had no such column, reads
+    back with none, and its cgroup's name is its call_id."""
+    ahead, older, later = (
+        "5ac17de4-a7f8-4f53-8caa-8d5f9e8dd376",
+        "6bd28ef5-b809-4064-9dbb-9e6fa09ee487",
+        "7ce39f06-c91a-4175-aecc-af7eb1aff598",
+    )
+    with StateStore.open(tmp_path) as store:
+        store.start_held(_held(ahead, "ready-4567cdef"), _started(ahead))
+        recorded = store.held_record(ahead)
+        assert recorded is not None and recorded.cgroup == "ready-4567cdef"
+    # What schema 8 left: no cgroup column in `held` (so the name above is lost), a record more.
+    with sqlite3.connect(tmp_path / DB_FILENAME) as conn:
+        conn.execute("ALTER TABLE held DROP COLUMN cgroup")
+        conn.execute(
+            "INSERT INTO held (call_id, tool_name, command, pty, pid, pgid, start_ticks, holder_pid,"
+            " holder_start_ticks, started_at, origin, context_json) VALUES (?, 'start_process', 'true', 0,"
+            " 4343, 4343, 99, 4141, 98, 1e9, NULL, '{}')",
+            (older,),
+        )
+        conn.execute("PRAGMA user_version=8")
+    conn.close()
+    with StateStore.open(tmp_path) as store:
+        read = {record.call_id: (record.cgroup, record.cgroup_name) for record in store.held_processes()}
+        store.start_held(_held(later, "ready-89abcdef"), _started(later))
+        store.start_held(_held(ahead.replace("5a", "5b", 1)), _started(ahead))
+    with StateStore.open(tmp_path) as store:
+        names = {record.call_id: record.cgroup_name for record in store.held_processes()}
+    assert read == {ahead: (None, ahead), older: (None, older)}
+    assert names[later] == "ready-89abcdef" and names[ahead.replace("5a", "5b", 1)] == ahead.replace("5a", "5b", 1)

@@ -211,6 +211,7 @@ class ProcessHost:
             context_json=json.dumps(
                 {"session_id": ctx.session_id, "generation": ctx.generation, "idempotency_key": call.idempotency_key}
             ),
+            cgroup=None if cgroup is None or cgroup.name == call.call_id else cgroup.name,
         )
         started_body = {
             "call_id": call.call_id,
@@ -316,10 +317,17 @@ class ProcessHost:
         return None
 
     def _cgroup_for(self, call_id: str) -> CommandCgroup | None:
-        """The process's own cgroup (runtime/cgroups.py), created now; None without cgroups."""
+        """The process's own cgroup (runtime/cgroups.py): one made ahead (ready_cgroups.py,
+        never one offered to the host's idle shells), else one created now and named after
+        the call; None without cgroups. Made ahead, its mkdirs and limits' writes are off the
+        start's path, as a command's are; the record keeps its name."""
         cgroups = self.settings.cgroups
         if cgroups is None or not cgroups.enabled:
             return None
+        ready = self.shell.ready_cgroups
+        taken = ready.take(pooled=False) if ready is not None else None
+        if taken is not None:
+            return taken
         try:
             return cgroups.create(call_id)
         except OSError as exc:
@@ -449,7 +457,7 @@ class ProcessHost:
                 continue
             directory = spool_dir(self.settings.state_dir, record.call_id)
             cgroups = self.settings.cgroups
-            cgroup = cgroups.adopt(record.call_id) if cgroups is not None and cgroups.enabled else None
+            cgroup = cgroups.adopt(record.cgroup_name) if cgroups is not None and cgroups.enabled else None
             process = HeldProcess(record, directory, self.settings.output_limits(), cgroup=cgroup)
             self.processes[record.call_id] = process
             if not holder_alive(record):

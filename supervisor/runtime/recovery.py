@@ -109,7 +109,7 @@ def kill_leftover_groups(
     keep = keep or {}
     killed = 0
     if cgroups is not None and cgroups.enabled:
-        held = {record.call_id for record in store.held_processes() if record.exit_json is None}
+        held = {record.cgroup_name for record in store.held_processes() if record.exit_json is None}
         kept = {recorded.cgroup for recorded in keep.values()}
         for leftover in cgroups.kill_leftovers(keep=held | kept):
             if leftover.processes:

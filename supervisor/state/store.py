@@ -39,7 +39,7 @@ DB_FILE_MODE = 0o600
 # Long enough to ride out a checkpoint by another connection, short enough that a wedged
 # database surfaces as an error (state_unavailable) instead of a hung daemon.
 BUSY_TIMEOUT_S = 5.0
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 # Space given back after pruning (docs/operations.md, "Disk use of the state directory"): the
 # database is in incremental auto-vacuum mode, and free pages are returned to the file system
@@ -272,6 +272,9 @@ _MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection], None], ...], ...] 
     # its call_id: the record keeps the name, for a restart to adopt and keep it. NULL (a
     # record of an earlier release): the cgroup is named after the call_id.
     ("ALTER TABLE processes ADD COLUMN cgroup TEXT",),
+    # A held process's cgroup may be one made ahead too (process_host.py), named apart from
+    # its call_id: the same rule for the `held` record.
+    ("ALTER TABLE held ADD COLUMN cgroup TEXT",),
 )
 assert len(_MIGRATIONS) == SCHEMA_VERSION
 
@@ -437,20 +440,29 @@ class HeldRecord:
     sent: dict[str, int] = field(default_factory=dict)  # stream -> live events journaled up to
     exit_json: str | None = None  # set once its exec.completed is journaled
     ended_at: float | None = None
+    # Its cgroup's name when that is not its call_id (one made ahead, runtime/ready_cgroups.py):
+    # what a restart adopts and keeps. None: named after the call_id, or no cgroup.
+    cgroup: str | None = None
+
+    @property
+    def cgroup_name(self) -> str:
+        """The name of its cgroup, were there cgroups."""
+        return self.cgroup or self.call_id
 
 
 _HELD_COLUMNS = (
     "call_id, tool_name, command, pty, pid, pgid, start_ticks, holder_pid, holder_start_ticks,"
-    " started_at, origin, context_json, stdout_sent, stderr_sent, exit_json, ended_at"
+    " started_at, origin, context_json, stdout_sent, stderr_sent, exit_json, ended_at, cgroup"
 )
 
 
 def _held_record(row: Sequence[Any]) -> HeldRecord:
     (call_id, tool_name, command, pty, pid, pgid, start_ticks, holder_pid, holder_start_ticks,
-     started_at, origin, context_json, stdout_sent, stderr_sent, exit_json, ended_at) = row
+     started_at, origin, context_json, stdout_sent, stderr_sent, exit_json, ended_at, cgroup) = row
     return HeldRecord(
         call_id, tool_name, command, bool(pty), pid, pgid, start_ticks, holder_pid, holder_start_ticks,
         started_at, origin, context_json, {"stdout": stdout_sent, "stderr": stderr_sent}, exit_json, ended_at,
+        cgroup,
     )
 
 
@@ -1175,12 +1187,12 @@ class StateStore:
         with self._transaction() as conn:
             conn.execute(
                 "INSERT INTO held (call_id, tool_name, command, pty, pid, pgid, start_ticks,"
-                " holder_pid, holder_start_ticks, started_at, origin, context_json)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " holder_pid, holder_start_ticks, started_at, origin, context_json, cgroup)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     record.call_id, record.tool_name, record.command, int(record.pty), record.pid,
                     record.pgid, record.start_ticks, record.holder_pid, record.holder_start_ticks,
-                    record.started_at, record.origin, record.context_json,
+                    record.started_at, record.origin, record.context_json, record.cgroup,
                 ),
             )
             return self._append_events_in(conn, [(EXEC_STARTED, started_body)], now, origin=record.origin)
