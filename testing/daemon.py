@@ -338,6 +338,14 @@ class DaemonProcess:
         self.send_signal(signal.SIGKILL)
         return await self.wait(KILL_TIMEOUT_S)
 
+    async def kill_and_start(self) -> RunningDaemon:
+        """A crash and the restart after it: SIGKILL the current run, wait for its end, start
+        the next one and wait until it listens; the new run's endpoints."""
+        await self.kill()
+        running = await self.start()
+        assert running is not None  # waited for: it listens
+        return running
+
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM and wait for the exit status (trio.TooSlowError past `timeout`); an
         exited run's status at once, 0 if none was started."""

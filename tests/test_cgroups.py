@@ -8,7 +8,6 @@ import errno
 import itertools
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -929,8 +928,9 @@ async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_
                 call_id = await session.call("start_process", {"command": ESCAPES, "timeout_ms": 1000}, idempotency_key="h1")
                 started = await session.result(call_id)
                 assert started["ok"], started
-                # The holder put the process in the call's cgroup before it ran.
-                assert call_id in Path(f"/proc/{started['result']['pid']}/cgroup").read_text()
+                # The holder put the process in the call's own cgroup before it ran.
+                placed = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
+                assert os.path.basename(placed) == held_cgroup_name(daemon, call_id)
                 pid_file = layout.workspace / "escaped.pid"
                 with trio.fail_after(DEADLINE_S):
                     while not pid_file.exists():
@@ -942,6 +942,13 @@ async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_
                     await wait_dead(escaped)  # left the group with setsid, not the cgroup
                 finally:
                     kill_quietly(escaped)
+
+
+def held_cgroup_name(daemon: Any, call_id: str) -> str:
+    """The name of a running held process's cgroup (its call_id, or a ready one's)."""
+    host = daemon.supervisor.processes
+    assert host is not None and host.processes[call_id].cgroup is not None
+    return str(host.processes[call_id].cgroup.name)
 
 
 def daemon_cgroups(daemon: Any) -> cgroups.Cgroups:
@@ -964,17 +971,18 @@ async def test_an_ended_held_processs_cgroup_is_removed_off_the_event_loop(tmp_p
                 call_id = await session.call("start_process", {"command": "cat > /dev/null; exit 3"}, idempotency_key="h-rm")
                 started = await session.result(call_id)
                 assert started["ok"], started
+                name = held_cgroup_name(daemon, call_id)
                 membership = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
                 await session.close_stdin(call_id, 0)
                 assert (await _held_completed(session, call_id))["exit_code"] == 3
                 with trio.fail_after(DEADLINE_S):
                     # Removed, not just attempted: the process's cgroup directory is gone.
-                    while call_id not in {name for name, _ in removals} or any(
-                        cgroup.name == call_id for cgroup in daemon_cgroups(daemon).existing()
+                    while name not in {removed for removed, _ in removals} or any(
+                        cgroup.name == name for cgroup in daemon_cgroups(daemon).existing()
                     ):
                         await trio.sleep(POLL_S)
-    assert membership.endswith("/" + call_id), membership
-    held = [on_loop for name, on_loop in removals if name == call_id]
+    assert membership.endswith("/" + name), membership
+    held = [on_loop for removed, on_loop in removals if removed == name]
     assert held and not any(held), removals
 
 
@@ -1004,7 +1012,8 @@ async def test_a_stop_ends_a_detached_descendant_of_an_ended_held_process(tmp_pa
                         await trio.sleep(POLL_S)
                 escaped = int(pid_file.read_text())
                 assert alive(escaped)
-                assert [cgroup.name for cgroup in host.lingering] == [call_id]
+                placed = membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode)
+                assert [cgroup.name for cgroup in host.lingering] == [os.path.basename(placed)]
         try:
             await wait_dead(escaped)  # the daemon's stop ended it
         finally:
@@ -1016,12 +1025,14 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
     """The held process ended and its cgroup's removal (a worker thread's) was still under way
     when the stop swept the lingering cgroups: the removal, finding the cgroup busy after the
     sweep, ends the descendant itself."""
-    held: dict[str, Any] = {}  # the call_id, the process host
-    order: list[bool] = []  # per removal of the call's cgroup in a worker thread: swept by then
+    held: dict[str, Any] = {}  # the process host
+    # Per removal in a worker thread (no command runs here: only the held process's cgroup is
+    # removed so), whether the stop had swept by then.
+    order: list[bool] = []
     remove = cgroups.CommandCgroup.remove
 
     def after_the_sweep(self: cgroups.CommandCgroup) -> bool:
-        if self.name == held.get("call_id") and threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
             deadline = time.monotonic() + DEADLINE_S
             while not held["host"]._swept and time.monotonic() < deadline:
                 time.sleep(POLL_S)  # a worker thread: the event loop goes on meanwhile
@@ -1035,8 +1046,7 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
             host = held["host"] = daemon.supervisor.processes
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
-                held["call_id"] = call_id = "8a3c1f7e-3b8e-4d4c-9a57-1f0e2d3c4b5a"
-                await _held_ran(session, DETACHES, "h-swept", call_id)
+                call_id = await _held_ran(session, DETACHES, "h-swept")
                 pid_file = layout.workspace / "escaped.pid"
                 with trio.fail_after(DEADLINE_S):
                     # Its tending has forgotten it and is removing its cgroup.
@@ -1083,19 +1093,20 @@ async def test_a_held_process_in_a_cgroup_made_ahead_is_kept_and_adopted_after_a
                     placed = membership_path(Path(f"/proc/{pid}/cgroup").read_text(), mode)
                     while not pid_file.exists():
                         await trio.sleep(POLL_S)
-            assert os.path.basename(placed).startswith(READY_PREFIX), placed
             escaped = int(pid_file.read_text())
-            process.send_signal(signal.SIGKILL)
-            await process.wait()
-            running = await process.start()
-            client.endpoint = running.tcp
-            async with client.connect() as session:
-                await session.bootstrap(cwd=str(layout.workspace))
-                assert alive(pid) and alive(escaped)  # not ended as leftovers of the killed daemon
-                assert membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode) == placed
-                await session.close_stdin(call_id, 0)  # adopted: its holder answers
-                assert (await _held_completed(session, call_id))["exit_code"] == 0
-                assert alive(escaped)
+            try:
+                assert os.path.basename(placed).startswith(READY_PREFIX), placed
+                client.endpoint = (await process.kill_and_start()).tcp
+                async with client.connect() as session:
+                    await session.bootstrap(cwd=str(layout.workspace))
+                    assert alive(pid) and alive(escaped)  # not ended as leftovers of the killed daemon
+                    assert membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode) == placed
+                    await session.close_stdin(call_id, 0)  # adopted: its holder answers
+                    assert (await _held_completed(session, call_id))["exit_code"] == 0
+                    assert alive(escaped)
+            except BaseException:
+                kill_quietly(escaped)
+                raise
         try:
             await wait_dead(escaped)  # the stop ended it, through the adopted cgroup
         finally:

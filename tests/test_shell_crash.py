@@ -177,10 +177,7 @@ async def test_streams_held_by_descendants_end_after_a_crash(tmp_path, authority
             call_id = next(f["body"]["call_id"] for f in client.state.events.values() if f["kind"] == "exec.started")
             pgid = next(f["body"]["pgid"] for f in client.state.events.values() if f["kind"] == "exec.started")
         assert result["ok"] is True and group_members(pgid)
-        process.send_signal(signal.SIGKILL)
-        await process.wait()
-        running = await process.start()
-        client.endpoint = running.tcp
+        client.endpoint = (await process.kill_and_start()).tcp
         async with client.connect() as session:
             await session.bootstrap(cwd=str(layout.workspace))
             await session.send("exec.read_output", {"call_id": call_id, "stream": "stdout", "offset": 0, "length": 100})

@@ -584,10 +584,11 @@ def test_a_held_record_keeps_its_cgroups_name_and_an_older_one_reads_as_its_call
     """Schema 9: a held process's cgroup made ahead is named apart from its call, so the
     `held` record keeps the name; a record of schema 8, which had no such column, reads
     back with none, and its cgroup's name is its call_id."""
-    ahead, older, later = (
+    ahead, older, later, plain = (
         "5ac17de4-a7f8-4f53-8caa-8d5f9e8dd376",
         "6bd28ef5-b809-4064-9dbb-9e6fa09ee487",
         "7ce39f06-c91a-4175-aecc-af7eb1aff598",
+        "8df4a017-da2b-4286-bfdd-b08fc2b00609",
     )
     with StateStore.open(tmp_path) as store:
         store.start_held(_held(ahead, "ready-4567cdef"), _started(ahead))
@@ -607,8 +608,8 @@ def test_a_held_record_keeps_its_cgroups_name_and_an_older_one_reads_as_its_call
     with StateStore.open(tmp_path) as store:
         read = {record.call_id: (record.cgroup, record.cgroup_name) for record in store.held_processes()}
         store.start_held(_held(later, "ready-89abcdef"), _started(later))
-        store.start_held(_held(ahead.replace("5a", "5b", 1)), _started(ahead))
+        store.start_held(_held(plain), _started(plain))
     with StateStore.open(tmp_path) as store:
         names = {record.call_id: record.cgroup_name for record in store.held_processes()}
     assert read == {ahead: (None, ahead), older: (None, older)}
-    assert names[later] == "ready-89abcdef" and names[ahead.replace("5a", "5b", 1)] == ahead.replace("5a", "5b", 1)
+    assert names[later] == "ready-89abcdef" and names[plain] == plain

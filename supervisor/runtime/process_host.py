@@ -229,6 +229,7 @@ class ProcessHost:
             kill_leftover_group(record.pid, record.pgid, record.start_ticks)
             if cgroup is not None:
                 cgroup.kill()
+                cgroup.remove()  # busy a moment longer: left to Cgroups.close or the next start
             raise
         process = HeldProcess(record, directory, self.settings.output_limits(), cgroup=cgroup)
         self.processes[call.call_id] = process

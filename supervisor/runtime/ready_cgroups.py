@@ -9,9 +9,10 @@ before, so after an agent's pause a move takes 10-15 ms on a stock kernel (docs/
 "Process isolation"). Both can be paid between calls:
 
 - The shell runtime keeps a few cgroups made ahead (`ready-<hex>` beside the per-call ones,
-  limits set), made by a worker thread, and a command takes one instead of making its own.
-  When none is ready (the first command, a burst, a refusal) the command makes its cgroup,
-  named after its call_id, as before.
+  limits set), made by a worker thread, and a command takes one instead of making its own;
+  so does a held process's start (process_host.py), never one on offer. When none is ready
+  (the first command, a burst, a refusal) the command makes its cgroup, named after its
+  call_id, as before.
 - A command the host's pool can run (`command_host.pool_key`) takes one of the cgroups
   offered to the host: each spawn request offers the host cgroups to put its next idle
   shells into (`place`), so the shell that runs the command is already a member when the
@@ -25,7 +26,7 @@ An rmdir of a cgroup waits for the kernel to take the group offline: 30-80 µs m
 (and often the call's result) waited for before.
 
 A cgroup so named says nothing about its call: the process record keeps its name
-(`StateStore.start_process`), and a restart adopts, signals and keeps a command's cgroup by
+(`StateStore.start_process`, and a held process's `start_held`), and a restart adopts, signals and keeps a command's cgroup by
 it. Those a previous run left ready, and those offered and never used, are leftovers to the
 next start: empty, or holding an idle shell that has run nothing, and removed with the rest.
 """
@@ -91,9 +92,9 @@ class ReadyCgroups:
         return len(self._plain) + len(self._offered)
 
     def take(self, *, pooled: bool) -> CommandCgroup | None:
-        """A cgroup for a command: the oldest offered one when the host's pool will run it
-        (its idle shell is the likeliest to be in it), else one never offered; None when
-        none is ready (the caller makes the call's own)."""
+        """A cgroup for a command or a held process: the oldest offered one when the host's
+        pool will run it (its idle shell is the likeliest to be in it), else one never
+        offered; None when none is ready (the caller makes the call's own)."""
         taken: CommandCgroup | None = None
         while taken is None:
             if pooled and self._offered:
