@@ -127,7 +127,6 @@ class ProcessHost:
         # Set once the stop has ended the lingering cgroups (`stop_all`): an ended process's
         # cgroup found busy after that (its removal was under way) is ended by its removal.
         self._swept = False
-        self.leaving = False  # the daemon stops and leaves its processes running
 
     # --- the start_process tool -------------------------------------------------------
 

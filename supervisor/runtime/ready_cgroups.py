@@ -26,9 +26,10 @@ An rmdir of a cgroup waits for the kernel to take the group offline: 30-80 µs m
 (and often the call's result) waited for before.
 
 A cgroup so named says nothing about its call: the process record keeps its name
-(`StateStore.start_process`, and a held process's `start_held`), and a restart adopts, signals and keeps a command's cgroup by
-it. Those a previous run left ready, and those offered and never used, are leftovers to the
-next start: empty, or holding an idle shell that has run nothing, and removed with the rest.
+(`StateStore.start_process`, and a held process's `start_held`), and a restart adopts,
+signals and keeps a command's or a held process's cgroup by it. Those a previous run left
+ready, and those offered and never used, are leftovers to the next start: empty, or holding
+an idle shell that has run nothing, and removed with the rest.
 """
 
 from __future__ import annotations
