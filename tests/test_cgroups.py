@@ -467,6 +467,30 @@ async def test_a_memory_limit_oom_kills_and_exec_completed_says_so(store, tmp_pa
 
 
 @parametrize_modes
+def test_a_kill_of_a_cgroup_that_goes_meanwhile_is_no_error(mode_cgroups, monkeypatch):
+    """An empty cgroup is anyone's to remove: one removed while it is killed (in v1 between
+    its freeze and the wait for it, in v2 before the `cgroup.kill` write) had nothing left to
+    kill, and the kill returns instead of raising, which would cut a stop short."""
+    cgroup = mode_cgroups.create("e7a1c3d5-0f2b-4c6d-8e9f-a1b2c3d4e5f6")
+    write, read = cgroups._write, cgroups._read
+
+    def write_after_removal(path: str, text: str) -> None:
+        if os.path.basename(path) == "cgroup.kill":
+            assert cgroup.remove()
+        write(path, text)
+
+    def read_after_removal(path: str) -> str:
+        if os.path.basename(path) == "freezer.state":
+            assert cgroup.remove()  # frozen, and empty
+        return read(path)
+
+    monkeypatch.setattr(cgroups, "_write", write_after_removal)
+    monkeypatch.setattr(cgroups, "_read", read_after_removal)
+    cgroup.kill()
+    assert not os.path.isdir(cgroup.membership)
+
+
+@parametrize_modes
 async def test_a_restart_kills_and_removes_the_command_cgroups_a_crash_left(store, tmp_path, mode_cgroups):
     leftover = mode_cgroups.create("a-crashed-call")
     sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
@@ -1026,9 +1050,9 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
     when the stop swept the lingering cgroups: the removal, finding the cgroup busy after the
     sweep, ends the descendant itself."""
     held: dict[str, Any] = {}  # the process host
-    # Per removal in a worker thread (no command runs here: only the held process's cgroup is
-    # removed so), whether the stop had swept by then.
-    order: list[bool] = []
+    # Per removal in a worker thread, each held until the stop has swept: the cgroup's name,
+    # and whether the stop had swept by then.
+    order: list[tuple[str, bool]] = []
     remove = cgroups.CommandCgroup.remove
 
     def after_the_sweep(self: cgroups.CommandCgroup) -> bool:
@@ -1036,7 +1060,7 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
             deadline = time.monotonic() + DEADLINE_S
             while not held["host"]._swept and time.monotonic() < deadline:
                 time.sleep(POLL_S)  # a worker thread: the event loop goes on meanwhile
-            order.append(held["host"]._swept)
+            order.append((self.name, held["host"]._swept))
         return remove(self)
 
     monkeypatch.setattr(cgroups.CommandCgroup, "remove", after_the_sweep)
@@ -1053,12 +1077,14 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
                     while not pid_file.exists() or call_id in host.processes:
                         await trio.sleep(POLL_S)
                 escaped = int(pid_file.read_text())
+                name = os.path.basename(membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode))
                 assert alive(escaped) and not host.lingering
         try:
             await wait_dead(escaped)  # ended by the removal, after the stop's sweep
         finally:
             kill_quietly(escaped)
-    assert order == [True, True]  # the busy removal, then the one after the kill
+    # The busy removal, then the one after the kill, both of this process's cgroup.
+    assert [entry for entry in order if entry[0] == name] == [(name, True), (name, True)], order
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -1106,6 +1132,7 @@ async def test_a_held_process_in_a_cgroup_made_ahead_is_kept_and_adopted_after_a
                     assert alive(escaped)
             except BaseException:
                 kill_quietly(escaped)
+                kill_quietly(pid)  # a restart that failed leaves no daemon to end it
                 raise
         try:
             await wait_dead(escaped)  # the stop ended it, through the adopted cgroup

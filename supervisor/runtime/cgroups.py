@@ -484,13 +484,17 @@ class CommandCgroup:
     def kill(self) -> None:
         """SIGKILL every member, race-free: `cgroup.kill` in v2; in v1 the cgroup is frozen
         first, so no member can fork between the listing and its kill."""
+        # An empty cgroup is anyone's to remove (root's clean-up, a removal in a worker
+        # thread): one that goes while it is killed had nothing left to kill.
         if self.v2 is not None:
             try:
                 _write(os.path.join(self.v2, "cgroup.kill"), "1")
                 return
-            except FileNotFoundError:
+            except OSError as exc:
                 if not os.path.isdir(self.v2):
-                    return
+                    return  # ENOENT, or ENODEV when it went between the open and the write
+                if exc.errno != errno.ENOENT:
+                    raise
                 # A kernel before 5.14 has no cgroup.kill: kill by listing, in rounds.
             for _ in range(KILL_ROUNDS):
                 if not _signal_all(self.pids(), signal.SIGKILL):
@@ -504,13 +508,19 @@ class CommandCgroup:
         except FileNotFoundError:
             return
         deadline = time.monotonic() + FREEZE_TIMEOUT_S
-        while _read(state).strip() != "FROZEN" and time.monotonic() < deadline:
-            time.sleep(FREEZE_POLL_S)
+        try:
+            while _read(state).strip() != "FROZEN" and time.monotonic() < deadline:
+                time.sleep(FREEZE_POLL_S)
+        except FileNotFoundError:
+            return
         try:
             # Frozen tasks take the SIGKILL at the thaw and fork nothing before it.
             _signal_all(self.pids(), signal.SIGKILL)
         finally:
-            _write(state, "THAWED")
+            try:
+                _write(state, "THAWED")
+            except FileNotFoundError:
+                pass  # gone meanwhile: nothing left to thaw
         # A freeze that did not settle in time may have let a fork through: kill in rounds.
         for _ in range(KILL_ROUNDS):
             if not _signal_all(self.pids(), signal.SIGKILL):

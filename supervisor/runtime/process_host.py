@@ -615,6 +615,9 @@ class ProcessHost:
                 # command's descendants are (§10.1). Without cgroups such a child escapes, as
                 # it escapes a command's process group.
                 process.cgroup.kill()
+        # No await from here to `_swept`: a removal that finds its cgroup busy checks
+        # `_swept` when its worker thread returns, so it sees either the cgroup swept here
+        # (it was in `lingering`) or the flag, never neither.
         for cgroup in self.lingering:
             cgroup.kill()
             cgroup.remove()
@@ -639,9 +642,12 @@ class ProcessHost:
 
 
 def _kill_and_remove(cgroup: CommandCgroup) -> None:
-    # An OSError: the cgroup went meanwhile (emptied and removed), with nothing left to end.
-    with contextlib.suppress(OSError):
+    """End what a busy cgroup holds and remove it (a worker thread's). A kill the kernel
+    refuses is logged: nothing may be left to outlive the stop unsaid."""
+    try:
         cgroup.kill()
+    except OSError as exc:
+        log.warning("process.cgroup_kill_failed", cgroup=cgroup.name, error=str(exc))
     cgroup.remove()
 
 
