@@ -45,6 +45,7 @@ from sandbox_supervisor.daemon.runtime.cgroups import (
 )
 from sandbox_supervisor.daemon.runtime.command_host import POOL_UNDERSCORE_VARIABLE
 from sandbox_supervisor.daemon.runtime.process_group import ProcessGroup
+from sandbox_supervisor.daemon.runtime.process_host import ProcessHost
 from sandbox_supervisor.daemon.runtime.processes import read_stat
 from sandbox_supervisor.daemon.runtime.ready_cgroups import READY_PREFIX, READY_TARGET, ReadyCgroups
 from sandbox_supervisor.daemon.runtime.recovery import kill_leftover_groups
@@ -571,6 +572,11 @@ def membership_path(cgroup_text: str, mode: str) -> str:
     return path
 
 
+def membership_of(pid: int, mode: str) -> str:
+    """The membership path of a running process, from its /proc/PID/cgroup."""
+    return membership_path(Path(f"/proc/{pid}/cgroup").read_text(), mode)
+
+
 async def idle_shell_placed_ahead(base: str, mode: str) -> tuple[int, str]:
     """The pid and /proc/PID/cgroup of this test's command host's idle shell, once it waits
     in a cgroup made ahead below `base` (the daemon's base name)."""
@@ -953,7 +959,7 @@ async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_
                 started = await session.result(call_id)
                 assert started["ok"], started
                 # The holder put the process in the call's own cgroup before it ran.
-                placed = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
+                placed = membership_of(started['result']['pid'], mode)
                 assert os.path.basename(placed) == held_cgroup_name(daemon, call_id)
                 pid_file = layout.workspace / "escaped.pid"
                 with trio.fail_after(DEADLINE_S):
@@ -968,11 +974,17 @@ async def test_a_held_process_is_in_its_own_cgroup_and_its_setsid_child_dies_on_
                     kill_quietly(escaped)
 
 
+def held_host(daemon: Any) -> ProcessHost:
+    """An in-process daemon's held processes."""
+    assert daemon.supervisor is not None and daemon.supervisor.processes is not None
+    return daemon.supervisor.processes
+
+
 def held_cgroup_name(daemon: Any, call_id: str) -> str:
     """The name of a running held process's cgroup (its call_id, or a ready one's)."""
-    host = daemon.supervisor.processes
-    assert host is not None and host.processes[call_id].cgroup is not None
-    return str(host.processes[call_id].cgroup.name)
+    cgroup = held_host(daemon).processes[call_id].cgroup
+    assert cgroup is not None
+    return cgroup.name
 
 
 def daemon_cgroups(daemon: Any) -> cgroups.Cgroups:
@@ -996,7 +1008,7 @@ async def test_an_ended_held_processs_cgroup_is_removed_off_the_event_loop(tmp_p
                 started = await session.result(call_id)
                 assert started["ok"], started
                 name = held_cgroup_name(daemon, call_id)
-                membership = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
+                membership = membership_of(started['result']['pid'], mode)
                 await session.close_stdin(call_id, 0)
                 assert (await _held_completed(session, call_id))["exit_code"] == 3
                 with trio.fail_after(DEADLINE_S):
@@ -1028,15 +1040,14 @@ async def test_a_stop_ends_a_detached_descendant_of_an_ended_held_process(tmp_pa
                 await session.bootstrap(cwd=str(layout.workspace))
                 call_id = await _held_ran(session, DETACHES, "h-detached")
                 pid_file = layout.workspace / "escaped.pid"
-                host = daemon.supervisor.processes if daemon.supervisor is not None else None
-                assert host is not None
+                host = held_host(daemon)
                 with trio.fail_after(DEADLINE_S):
                     # Its tending is over (the holder gone) and the busy cgroup kept.
                     while not pid_file.exists() or call_id in host.processes or not host.lingering:
                         await trio.sleep(POLL_S)
                 escaped = int(pid_file.read_text())
                 assert alive(escaped)
-                placed = membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode)
+                placed = membership_of(escaped, mode)
                 assert [cgroup.name for cgroup in host.lingering] == [os.path.basename(placed)]
         try:
             await wait_dead(escaped)  # the daemon's stop ended it
@@ -1066,8 +1077,7 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
     monkeypatch.setattr(cgroups.CommandCgroup, "remove", after_the_sweep)
     with layout_in_mode(tmp_path, authority, mode) as layout:
         async with in_process_daemon(layout) as daemon:
-            assert daemon.supervisor is not None and daemon.supervisor.processes is not None
-            host = held["host"] = daemon.supervisor.processes
+            host = held["host"] = held_host(daemon)
             async with daemon.client().connect() as session:
                 await session.bootstrap(cwd=str(layout.workspace))
                 call_id = await _held_ran(session, DETACHES, "h-swept")
@@ -1077,7 +1087,7 @@ async def test_a_stop_ends_a_descendant_whose_cgroup_was_being_removed(tmp_path,
                     while not pid_file.exists() or call_id in host.processes:
                         await trio.sleep(POLL_S)
                 escaped = int(pid_file.read_text())
-                name = os.path.basename(membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode))
+                name = os.path.basename(membership_of(escaped, mode))
                 assert alive(escaped) and not host.lingering
         try:
             await wait_dead(escaped)  # ended by the removal, after the stop's sweep
@@ -1107,7 +1117,7 @@ async def test_a_held_process_in_a_cgroup_made_ahead_is_kept_and_adopted_after_a
                         call_id = await session.call("start_process", {"command": "cat"}, idempotency_key=f"ahead-{attempt}")
                         started = await session.result(call_id)
                         assert started["ok"], started
-                        placed = membership_path(Path(f"/proc/{started['result']['pid']}/cgroup").read_text(), mode)
+                        placed = membership_of(started['result']['pid'], mode)
                         await session.close_stdin(call_id, 0)
                         await _held_completed(session, call_id)
                         if os.path.basename(placed).startswith(READY_PREFIX):
@@ -1116,7 +1126,7 @@ async def test_a_held_process_in_a_cgroup_made_ahead_is_kept_and_adopted_after_a
                     started = await session.result(call_id)
                     assert started["ok"], started
                     pid = started["result"]["pid"]
-                    placed = membership_path(Path(f"/proc/{pid}/cgroup").read_text(), mode)
+                    placed = membership_of(pid, mode)
                     while not pid_file.exists():
                         await trio.sleep(POLL_S)
             escaped = int(pid_file.read_text())
@@ -1126,7 +1136,7 @@ async def test_a_held_process_in_a_cgroup_made_ahead_is_kept_and_adopted_after_a
                 async with client.connect() as session:
                     await session.bootstrap(cwd=str(layout.workspace))
                     assert alive(pid) and alive(escaped)  # not ended as leftovers of the killed daemon
-                    assert membership_path(Path(f"/proc/{escaped}/cgroup").read_text(), mode) == placed
+                    assert membership_of(escaped, mode) == placed
                     await session.close_stdin(call_id, 0)  # adopted: its holder answers
                     assert (await _held_completed(session, call_id))["exit_code"] == 0
                     assert alive(escaped)
